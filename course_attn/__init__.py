@@ -1,0 +1,17 @@
+"""course_attn: the companion package of "Attention, from scratch to flash"."""
+
+from .attention import attention_weights, repeat_kv, scaled_dot_product_attention, softmax
+from .backends import BACKENDS, get_backend, register
+from .device import available_devices, default_device, seed_everything
+from .masks import (
+    attention_mask, causal_mask, combine_masks, padding_mask, sliding_window_mask, to_additive,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS", "attention_mask", "attention_weights", "available_devices", "causal_mask",
+    "combine_masks", "default_device", "get_backend", "padding_mask", "register", "repeat_kv",
+    "scaled_dot_product_attention", "seed_everything", "sliding_window_mask", "softmax",
+    "to_additive",
+]
