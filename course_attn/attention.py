@@ -24,7 +24,10 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
 
     Subtracting the row maximum changes nothing mathematically (it cancels in the ratio) but
     keeps ``exp`` from overflowing. Any shape; ``dim`` is the axis that sums to 1.
+    An empty ``dim`` (no keys at all) gives an empty result, as there is nothing to normalise.
     """
+    if x.shape[dim] == 0:
+        return x.clone()
     m = x.amax(dim=dim, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(x - m)

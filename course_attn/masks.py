@@ -16,8 +16,8 @@ from torch import Tensor
 
 def _check_lengths(tq: int, tk: int) -> None:
     for name, n in (("tq", tq), ("tk", tk)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
 
 
 def check_window(window) -> None:

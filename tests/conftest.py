@@ -1,0 +1,55 @@
+"""Shared test setup: every device present, and hypothesis profiles.
+
+Profiles (pick one with ``HYPOTHESIS_PROFILE=name``):
+  ci        the default: 25 examples per property, derandomized so a run is repeatable
+  thorough  300 random examples per property, for hunting bugs by hand
+"""
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+from course_attn import available_devices
+
+settings.register_profile(
+    "ci", max_examples=25, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+DEVICES = available_devices()
+
+
+@pytest.fixture(scope="session", params=DEVICES, ids=str)
+def device(request) -> torch.device:
+    """Each device present: the CPU always, CUDA and MPS where available."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def other_device(device) -> torch.device:
+    """A device other than ``device``; the test is skipped when there is only one."""
+    others = [d for d in DEVICES if d != device]
+    if not others:
+        pytest.skip(f"needs a second device; only {device} is present")
+    return others[0]
+
+
+def supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` work on ``device`` (MPS has no float64)."""
+    return not (device.type == "mps" and dtype == torch.float64)
+
+
+@pytest.fixture(scope="session")
+def require_dtype():
+    """``require_dtype(device, dtype)`` skips the test where the device lacks the dtype."""
+    def require(device: torch.device, dtype: torch.dtype) -> None:
+        if not supports(device, dtype):
+            pytest.skip(f"{dtype} is not supported on {device}")
+    return require
+
