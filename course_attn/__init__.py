@@ -3,6 +3,7 @@
 from .attention import attention_weights, repeat_kv, scaled_dot_product_attention, softmax
 from .backends import BACKENDS, get_backend, register
 from .device import available_devices, default_device, seed_everything
+from .multihead import MultiHeadAttention
 from .masks import (
     attention_mask, causal_mask, combine_masks, padding_mask, sliding_window_mask, to_additive,
 )
@@ -10,7 +11,7 @@ from .masks import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "BACKENDS", "attention_mask", "attention_weights", "available_devices", "causal_mask",
+    "BACKENDS", "MultiHeadAttention", "attention_mask", "attention_weights", "available_devices", "causal_mask",
     "combine_masks", "default_device", "get_backend", "padding_mask", "register", "repeat_kv",
     "scaled_dot_product_attention", "seed_everything", "sliding_window_mask", "softmax",
     "to_additive",
