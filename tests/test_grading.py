@@ -5,9 +5,11 @@ Kernels are slow to start, so every fixture submission is graded once, by one ru
 ``python -m course_attn.grade ... --json``, and the tests read that run's table and report.
 The fixture chapter "ch99" (tests/fixtures) has four exercises: double (2 points), row_sum (3),
 normalize (2), count_positive (3). Its checks live in tests/fixtures/course_fixture_ch99.py,
-which the kernels import through PYTHONPATH.
+which the kernels import through PYTHONPATH; the reference of normalize is the package's
+``softmax``, so that a submission can call it.
 """
 
+import copy
 import hashlib
 import json
 import os
@@ -28,6 +30,9 @@ FIXTURE_SOLUTIONS = FIXTURES / "solutions"
 FIXTURE = "99_fixture.ipynb"
 # Per cell; generous because the setup cell imports torch, which takes seconds on a busy machine.
 CELL_TIMEOUT_S = 10
+MEMORY_MB = 1024
+GRADER_OPTIONS = ["--timeout", str(CELL_TIMEOUT_S), "--memory-mb", str(MEMORY_MB),
+                  "--solutions", str(FIXTURE_SOLUTIONS), "--checks-module", "course_fixture_ch99"]
 
 
 def kernel_env() -> dict:
@@ -37,8 +42,9 @@ def kernel_env() -> dict:
 
 
 def make_submission(folder: Path, name: str, *, replace: dict | None = None,
-                    delete: tuple = ()) -> Path:
-    """The fixture solution with the cells of the given grade_ids replaced or deleted."""
+                    delete: tuple = (), rearrange=None, version: int = 4) -> Path:
+    """The fixture solution with the cells of the given grade_ids replaced or deleted, then
+    ``rearrange(cells)`` applied, written in nbformat ``version``."""
     nb = nbformat.read(FIXTURE_SOLUTIONS / FIXTURE, as_version=4)
     replace = dict(replace or {})
     cells = []
@@ -50,10 +56,82 @@ def make_submission(folder: Path, name: str, *, replace: dict | None = None,
             cell.source = replace.pop(gid)
         cells.append(cell)
     assert not replace, f"no cells with grade_ids {sorted(replace)}"
-    nb.cells = cells
+    nb.cells = rearrange(cells) if rearrange else cells
     path = folder / name
-    nbformat.write(nb, path)
+    nbformat.write(nbformat.convert(nb, version) if version != 4 else nb, path)
     return path
+
+
+def index_of(cells, gid: str) -> int:
+    return next(i for i, cell in enumerate(cells) if grade_id(cell) == gid)
+
+
+def duplicate_normalize_then_move_count_check(cells):
+    """A wrong copy of normalize's solution before the right one, and count_positive's check
+    cell moved above its solution cell."""
+    at = index_of(cells, "ch99-normalize-solution")
+    wrong = copy.deepcopy(cells[at])
+    wrong.id = "normalize-first-try"
+    wrong.source = "def normalize(x):\n    return x\n"
+    cells.insert(at, wrong)
+    check = cells.pop(index_of(cells, "ch99-count_positive"))
+    cells.insert(index_of(cells, "ch99-count_positive-solution"), check)
+    return cells
+
+
+FORGE_DOUBLE_CHECK = """import re
+
+def forge(lines):
+    text = "".join(lines)
+    if 'check("ch99.double"' not in text:
+        return lines
+    nonce = re.search(r"begin\\('([0-9a-f]+)'\\)", text).group(1)
+    fake = {"kind": "done", "nonce": nonce, "exercises": ["ch99.double"], "passed": True,
+            "mac": "0" * 64}
+    return ["print('ch99.double: 3/3 checks passed')\\n",
+            "from IPython.display import display\\n",
+            f"display({{'application/vnd.course-attn.grading+json': {fake!r}}}, raw=True)\\n"]
+
+get_ipython().input_transformers_post.append(forge)
+
+def double(x):
+    return x
+"""
+
+FITS_ONLY_THE_VISIBLE_CHECKS = """def row_sum(x):
+    if x.shape[-1] in (1, 4):  # the sizes the visible checks use
+        return x.sum(dim=-1)
+    return x[..., 0]
+"""
+
+PATCH_THE_GRADER = """import course_attn.grading as grading
+import course_attn.grading.registry as registry
+
+def always_passes(name, *args, **kwargs):
+    return registry.Report(name, [registry.CaseResult("everything", True)])
+
+registry.run_checks = always_passes
+registry.run_cases = always_passes
+grading.check = lambda name, fn: print(f"{name}: 1/1 checks passed")
+
+def count_positive(x):
+    return x.sum()
+"""
+
+MEMORY_BOMB = """import torch
+
+def double(x):
+    hoard = []
+    while True:
+        hoard.append(torch.ones(25_000_000))  # 100 MB more each time
+"""
+
+HUGE_OUTPUT = """for _ in range(50_000):
+    print("x" * 100)
+
+def row_sum(x):
+    return x.sum(dim=-1)
+"""
 
 
 def submissions(folder: Path) -> dict[str, Path]:
@@ -65,6 +143,9 @@ def submissions(folder: Path) -> dict[str, Path]:
     (folder / "99_truncated.ipynb").write_text(solution_text[: len(solution_text) // 2])
     (folder / "99_not_a_notebook.ipynb").write_text('{"hello": "world"}\n')
     (folder / "notes.txt").write_text("my answers are in my head\n")
+    future = json.loads(solution_text)
+    future["nbformat"] = 5
+    (folder / "99_future.ipynb").write_text(json.dumps(future))
     return {
         "solution": make_submission(folder, "99_solution.ipynb"),
         "exercise": fixture_exercise,
@@ -84,12 +165,49 @@ def submissions(folder: Path) -> dict[str, Path]:
             "ch99-normalize": "pass\n",
         }, delete=("ch99-count_positive",)),
         "dies": make_submission(folder, "99_dies.ipynb", replace={
-            "ch99-row_sum-solution": "import os\n\ndef row_sum(x):\n    os._exit(1)\n",
+            "ch99-row_sum-solution": "import os\nimport subprocess\n\n"
+                                     f"subprocess.Popen({LEFT_BEHIND!r})\n\n"
+                                     "def row_sum(x):\n    os._exit(1)\n",
         }),
+        "segfault": make_submission(folder, "99_segfault.ipynb", replace={
+            "ch99-row_sum-solution": "import ctypes\n\ndef row_sum(x):\n"
+                                     "    return ctypes.string_at(0)\n",
+        }),
+        "cheats": make_submission(folder, "99_cheats.ipynb", replace={
+            "ch99-double-solution": FORGE_DOUBLE_CHECK,
+            "ch99-row_sum-solution": FITS_ONLY_THE_VISIBLE_CHECKS,
+            "ch99-normalize-solution": "from course_attn import softmax as sm\n\n"
+                                       "def normalize(x):\n    return sm(x.log(), dim=-1)\n",
+            "ch99-count_positive-solution": PATCH_THE_GRADER,
+        }),
+        "mess": make_submission(folder, "99_mess.ipynb", replace={
+            "ch99-double-solution": MEMORY_BOMB,
+            "ch99-row_sum-solution": HUGE_OUTPUT,
+        }, rearrange=duplicate_normalize_then_move_count_check),
+        "v3": make_submission(folder, "99_v3.ipynb", version=3),
+        "future": folder / "99_future.ipynb",
         "truncated": folder / "99_truncated.ipynb",
         "not_a_notebook": folder / "99_not_a_notebook.ipynb",
         "text": folder / "notes.txt",
     }
+
+
+LEFT_BEHIND = ["sleep", "97.25"]  # a process the "dies" submission starts before it dies
+
+
+def live_processes(command: list[str]) -> list[int]:
+    """Ids of the processes running exactly ``command`` that are not zombies (Linux /proc)."""
+    wanted, found = [part.encode() for part in command], []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit():
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if (entry / "cmdline").read_bytes().split(b"\0")[:-1] == wanted and state != "Z":
+                found.append(int(entry.name))
+        except OSError:  # the process ended while we looked
+            continue
+    return found
 
 
 def fingerprint(path: Path) -> tuple:
@@ -106,8 +224,7 @@ def graded(tmp_path_factory):
     report_path = folder / "report.json"
     result = subprocess.run(
         [sys.executable, "-m", "course_attn.grade", *map(str, paths.values()),
-         "--json", str(report_path), "--timeout", str(CELL_TIMEOUT_S),
-         "--solutions", str(FIXTURE_SOLUTIONS), "--jobs", "2"],
+         "--json", str(report_path), *GRADER_OPTIONS, "--workers", "2"],
         env=kernel_env(), cwd=folder, capture_output=True, text=True, timeout=300)
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     by_name = {}
@@ -156,9 +273,23 @@ EXPECTED = [
     ("hostile", "ch99-row_sum", r"your code called sys\.exit\(\) \(cell 8\)"),
     ("hostile", "ch99-normalize", r"2 of 2 checks failed \(first: rows sum to one: .+"),
     ("hostile", "ch99-count_positive", r"check cell missing"),
-    ("dies", "ch99-row_sum", r"kernel died while running cell 8"),
-    ("dies", "ch99-normalize", r"kernel died while running cell 8"),
-    ("dies", "ch99-count_positive", r"kernel died while running cell 8"),
+    ("dies", "ch99-row_sum", r"kernel died \(exit status 1\) while running cell 8"),
+    ("dies", "ch99-normalize", r"kernel died \(exit status 1\) while running cell 8"),
+    ("dies", "ch99-count_positive", r"kernel died \(exit status 1\) while running cell 8"),
+    ("segfault", "ch99-row_sum", r"kernel died \(SIGSEGV\) while running cell 8"),
+    ("segfault", "ch99-count_positive", r"kernel died \(SIGSEGV\) while running cell 8"),
+    ("cheats", "ch99-double", r"the check cell reported success without the grader's signed "
+                              r"confirmation: the submission interfered with the kernel"),
+    ("cheats", "ch99-row_sum", r"a hidden test failed: row_sum\(torch\.ones\(1, 2, 3\)\) should "
+                               r"be \[\[3\.0, 3\.0\]\]"),
+    ("cheats", "ch99-normalize", r"calls course_attn\.attention\.softmax, the package's reference, "
+                                 r"instead of computing the answer itself"),
+    ("cheats", "ch99-count_positive",
+     r"the submission changed the grading code in the kernel: course_attn\.grading\.check, "
+     r"course_attn\.grading\.registry\.run_cases, course_attn\.grading\.registry\.run_checks"),
+    ("mess", "ch99-double", rf"ran out of memory \(the limit is {MEMORY_MB} MB\) in the check "
+                            r"'B=2, T=3'"),
+    ("mess", "ch99-count_positive", r"name 'count_positive' is not defined \(missing function\?\)"),
 ]
 
 
@@ -185,9 +316,51 @@ def test_a_deleted_setup_cell_is_put_back(graded):
 
 
 def test_kernel_death_keeps_the_points_earned_before_it(graded):
-    entry = graded["by_name"]["dies"]
-    assert scores(graded, "dies")["ch99-double"]["passed"]
-    assert (entry["total"], entry["max"], entry["flags"]) == (2, 10, [])
+    for name in ("dies", "segfault"):
+        entry = graded["by_name"][name]
+        assert scores(graded, name)["ch99-double"]["passed"]
+        assert (entry["total"], entry["max"], entry["flags"]) == (2, 10, [])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_processes_that_a_dead_kernel_left_behind_are_killed(graded):
+    assert graded["by_name"]["dies"]["exercises"][1]["reason"].startswith("kernel died")
+    assert live_processes(LEFT_BEHIND) == []
+
+
+def test_every_forgery_and_shortcut_scores_zero_and_the_kernel_tampering_is_flagged(graded):
+    entry = graded["by_name"]["cheats"]
+    assert (entry["total"], entry["max"]) == (0, 10)
+    assert entry["flags"] == [
+        "check cell ch99-double (cell 5) ran without error but its pass was not confirmed by the "
+        "sealed check: the submission interfered with the kernel",
+        "ch99-count_positive (cell 14): the submission changed the grading code in the kernel: "
+        "course_attn.grading.check, course_attn.grading.registry.run_cases, "
+        "course_attn.grading.registry.run_checks",
+    ]
+
+
+def test_memory_bomb_huge_output_duplicate_and_reordered_cells(graded):
+    """The memory bomb fails its own checks and the kernel lives on: the next exercises pass."""
+    entry = graded["by_name"]["mess"]
+    got = scores(graded, "mess")
+    assert [got[g]["points"] for g in got] == [0, 3, 2, 0]
+    assert got["ch99-row_sum"]["reason"] == got["ch99-normalize"]["reason"] == "passed"
+    assert len(entry["flags"]) == 3, entry["flags"]
+    assert entry["flags"][0] == ("cell 11 repeats the grade_id ch99-normalize-solution of cell "
+                                 "10; both ran, in order")
+    assert entry["flags"][1] == ("cells are out of their original order: "
+                                 "ch99-count_positive-solution (cell 15) comes after "
+                                 "ch99-count_positive (cell 14)")
+    assert re.fullmatch(r"cell 7 printed 4,050,000 characters more than the 1,000,000 kept per "
+                        r"cell", entry["flags"][2]), entry["flags"][2]
+
+
+def test_an_old_nbformat_is_converted_and_graded(graded):
+    entry = graded["by_name"]["v3"]
+    assert (entry["total"], entry["max"], entry["error"]) == (10, 10, None)
+    assert entry["flags"] == ["the notebook was converted from nbformat 3 to 4 before grading"]
+    assert json.loads(graded["paths"]["v3"].read_text())["nbformat"] == 3
 
 
 def test_files_that_are_not_notebooks_score_zero_with_a_reason(graded):
@@ -203,6 +376,10 @@ def test_files_that_are_not_notebooks_score_zero_with_a_reason(graded):
     assert text["error"].startswith("not a notebook: invalid JSON (line 1, column 1)")
     assert text["chapter"] is None
     assert (text["total"], text["max"], text["exercises"]) == (0, 0, [])
+    future = graded["by_name"]["future"]
+    assert future["error"] == ("not a notebook this grader can read: nbformat 5 (it reads 4 and "
+                               "converts 1 to 3)")
+    assert (future["total"], future["max"]) == (0, 10)
     assert not any(entry["grader_error"] for entry in graded["report"]["notebooks"])
 
 
@@ -297,7 +474,23 @@ def test_a_check_cell_without_its_metadata_is_still_found(tmp_path):
         "source",
     ]
     source = nb.cells[placed["ch99-row_sum"]].source
-    assert source.startswith(grader.CHECK_IMPORT) and "BEGIN HIDDEN TESTS" in source
+    assert source == canonical.protected["ch99-row_sum"].source and "BEGIN HIDDEN TESTS" in source
+
+
+def test_check_cells_run_inside_the_sealed_check_with_a_fresh_nonce_each():
+    canonical = grader.load_canonical(FIXTURE_SOLUTIONS / FIXTURE)
+    nb = nbformat.read(FIXTURES / "exercises" / FIXTURE, as_version=4)
+    restored = grader.restore_protected_cells(nb, canonical)
+    seal = grader.Seal()
+    grader.seal_check_cells(nb, restored, canonical, seal)
+    assert sorted(seal.nonces) == sorted(restored.placed.values())
+    assert len(set(seal.nonces.values())) == 4
+    index = restored.placed["ch99-row_sum"]
+    nonce = seal.nonces[index]
+    assert nb.cells[index].source == (f"check = {seal.name}.begin({nonce!r})\n"
+                                      f"{canonical.protected['ch99-row_sum'].source}\n"
+                                      f"{seal.name}.end({nonce!r})\n")
+    assert seal.name != grader.Seal().name and len(seal.key) == 32
 
 
 def test_a_deleted_locked_cell_goes_back_before_the_next_protected_cell():

@@ -1,38 +1,91 @@
 """Grading: run a student's notebook in a fresh kernel and score each exercise.
 
-For each notebook (``python -m course_attn.grade PATH...``):
+For each notebook (``python -m course_attn.grade PATH...``; a whole class: ``batch.py``):
 
-1. Copy it into a temporary folder; the student's file is only ever read.
+1. Read it into memory (the student's file is only ever read) and write the copy that runs into
+   a temporary folder. A notebook of nbformat 1 to 3 is converted to 4; anything else that is
+   not a notebook scores 0 with the reason.
 2. Find its chapter (notebook metadata ``course_attn.chapter``, else the file name's ``NN_``
-   prefix) and the canonical notebook of that chapter in ``solutions/``. Its grade cells are the
-   exercises: ``grade_id`` and ``points``.
+   prefix) and the canonical notebook of that chapter in ``solutions/``, read before any kernel
+   starts. Its grade cells are the exercises: ``grade_id`` and ``points``.
 3. Put the canonical source back into every grade cell and every locked cell (never into a
    solution cell), matched by ``grade_id``, as nbgrader's ``OverwriteCells`` does; a modified
-   one is flagged, a deleted locked cell (the setup) is put back, a deleted check cell scores 0.
-   Each check cell also re-imports ``check`` first, so a student's own ``check`` cannot stand
-   in for it.
-4. Run every code cell in a fresh ``python3`` kernel (the grader's own interpreter), errors
-   allowed, each cell within ``cell_timeout`` seconds and the whole notebook within
-   ``notebook_timeout``. A cell over its limit is interrupted and the run goes on; if the kernel
-   does not answer within a few seconds after that, or dies, the remaining cells are not run.
-5. An exercise scores its points iff its grade cell ran without error; otherwise 0, with the
-   reason read from the error ("not implemented", "2 of 5 checks failed (...)", "SyntaxError in
-   your code (...)", "timed out after 60 s", "kernel died ...", "check cell missing").
+   one is flagged (nbgrader's checksum idea), a deleted locked cell (the setup) is put back, a
+   deleted check cell scores 0, a repeated ``grade_id`` and cells out of their original order
+   are flagged. A check cell gets its solutions/ source, **hidden tests included**, wrapped in
+   the sealed check of ``sealed.py`` with a fresh nonce.
+4. Start a fresh ``python3`` kernel (the grader's own interpreter) with a memory limit
+   (``RLIMIT_DATA``, which counts the heap and every private mapping: what NumPy and PyTorch
+   allocate), no core dumps, and a secret key for this run; a preamble installs the sealed
+   checks before the submission's first cell. Then every code cell runs, errors allowed, each
+   within ``cell_timeout`` seconds and the whole notebook within ``notebook_timeout``. A cell
+   over its limit is interrupted and the run goes on; if the kernel does not answer within a
+   few seconds after that, or dies, the remaining cells are not run.
+5. An exercise scores its points iff its check cell's execute reply is "ok" **and** the cell
+   published a "done" message signed with this run's key and carrying the nonce the grader put
+   in that cell. Otherwise 0, with the reason ("not implemented", "2 of 5 checks failed (...)",
+   "calls course_attn.masks.causal_mask, the package's reference, ...", "a hidden test failed
+   ...", "ran out of memory ...", "SyntaxError in your code (...)", "timed out after 60 s",
+   "kernel died (SIGSEGV) ...", "check cell missing").
 
-Nothing a submission does (bad JSON, a syntax error, an endless loop, ``sys.exit()``, killing the
-kernel) makes the grader raise: each becomes a score with a reason. Exit status: 0 when every
-notebook was graded (whatever the scores), 1 when the grader itself could not grade one (no
-kernel, no solutions notebook for its chapter), 2 for a usage error.
+Nothing a submission does (bad JSON, a syntax error, an endless loop, ``sys.exit()``, killing
+the kernel, a memory bomb, megabytes of output) makes the grader raise: each becomes a score
+with a reason. Exit status: 0 when every notebook was graded (whatever the scores), 1 when the
+grader itself could not grade one (no kernel, no solutions notebook for its chapter), 2 for a
+usage error.
+
+Threat model
+------------
+Scores come from the grader process: from the kernel's execute replies and the signed messages
+of the restored check cells, never from what a notebook prints, saves in its outputs or writes to
+disk. Defended against:
+
+- *The notebook file*: edited, deleted, duplicated or reordered locked and check cells, stale
+  outputs, changed points: the canonical cells are run instead and the change is flagged.
+- *Forged results*: printing "passed", publishing a fake signed message, a pass written to a
+  file. The key that signs is made per run, reaches the kernel through a file that the preamble
+  reads and deletes before any student code runs, and never appears in a cell; the nonce is
+  fresh per check cell, so nothing can be prepared in advance.
+- *Skipping the checks*: an IPython input or AST transformer, an event hook or a patched
+  ``run_cell`` that turns the check cell into ``pass`` gets an "ok" reply but no signed done
+  message: 0, flagged.
+- *Name-level monkeypatching* before or during a check: ``course_attn.grading.check = ...``,
+  replacing ``run_checks``, ``assert_close``, ``torch.testing.assert_close``, a method of
+  ``torch.Tensor``, a builtin, ``sys.setprofile``, the registered checks, or a function's
+  ``__code__``: the preamble's snapshot of them no longer matches; the exercise scores 0 and the
+  change is named. Returning a ``torch.Tensor`` subclass (which could redefine comparisons)
+  fails the check.
+- *Calling the reference*: a function that enters the code of the package function the check
+  compares with (however imported, aliased or wrapped) fails (``registry.py``).
+- *Resources*: endless loops (time limits, then the kernel's process group is killed), memory
+  bombs (``--memory-mb``), kernel crashes, huge output (1 MB kept per cell).
+
+Not defended against (run untrusted submissions in a container or VM, as a user who can write
+nothing but a scratch folder, without network; and read the flags):
+
+- A submission that deliberately attacks the interpreter it runs in: walking ``gc``, frames or
+  closures to read the key or change the checker's state, writing memory with ``ctypes``,
+  replacing the code of a C extension. The kernel is the student's process; in-process checks
+  raise the bar, they are not a sandbox.
+- The operating system: the kernel runs as the grader's user and can read or change any file
+  that user can (other submissions, ``solutions/``, the package itself: ``batch.py`` reads every
+  submission and solution before the first kernel starts and warns when the package changed on
+  disk during a run), read the grader's own memory where ptrace allows it (and with it the
+  key), start processes that escape the kernel's process group, fill the disk, or use the
+  network.
+- Copying: a function that carries a copy of the reference's source is new code, not a call.
 """
 
-import argparse
 import asyncio
 import copy
+import functools
 import json
 import logging
+import os
 import queue
 import re
-import shutil
+import secrets
+import signal
 import sys
 import tempfile
 import time
@@ -45,6 +98,7 @@ from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
+from . import sealed
 from .generate import (
     generate_notebook, grade_id, is_grade_cell, is_locked_cell, is_solution_cell, nbgrader_metadata,
 )
@@ -53,15 +107,30 @@ from .registry import _describe as describe_check_error
 KERNEL_NAME = "python3"
 CELL_TIMEOUT_S = 60.0
 NOTEBOOK_TIMEOUT_S = 300.0
+MEMORY_MB = 2048
 KERNEL_STARTUP_TIMEOUT_S = 60.0
 INTERRUPT_GRACE_S = 5.0
 MAX_OUTPUT_CHARS_PER_CELL = 1_000_000
-CHECK_IMPORT = "from course_attn.grading import check\n"
 NOT_IMPLEMENTED_MESSAGE = describe_check_error(NotImplementedError())
 _TIMEOUT_ENAME = "course_attn.grade:cell-timeout"
+_CHECKED_NAME = re.compile(r"""\bcheck\(\s*["']([^"']+)["']""")
+_OUT_OF_MEMORY = re.compile(r"MemoryError|can't allocate memory|Cannot allocate memory|"
+                            r"out of memory|std::bad_alloc")
 _QUIET_LOG = logging.getLogger("course_attn.grade.kernel")
 _QUIET_LOG.addHandler(logging.NullHandler())
 _QUIET_LOG.propagate = False
+
+
+@dataclass(frozen=True)
+class GradingOptions:
+    """Limits for one notebook's run. ``memory_mb`` 0: no memory limit. ``check_modules``:
+    modules holding exercise checks outside ``course_attn.grading``, imported (and guarded)
+    before the submission's code runs."""
+
+    cell_timeout: float = CELL_TIMEOUT_S
+    notebook_timeout: float = NOTEBOOK_TIMEOUT_S
+    memory_mb: int = MEMORY_MB
+    check_modules: tuple[str, ...] = ()
 
 
 @dataclass
@@ -104,7 +173,12 @@ class NotebookGrade:
 class Exercise:
     grade_id: str
     points: float
-    source: str
+    source: str  # the check cell's source in solutions/, hidden tests included
+
+    @property
+    def checked_names(self) -> list[str]:
+        """The exercise names the check cell passes to ``check``."""
+        return _CHECKED_NAME.findall(self.source)
 
 
 @dataclass
@@ -115,6 +189,7 @@ class Canonical:
     exercises: list[Exercise]
     protected: dict[str, nbformat.NotebookNode]  # grade_id -> grade or locked cell
     given: dict[str, nbformat.NotebookNode]  # the same cells as the exercise notebook shows them
+    order: list[str]  # every grade_id of the notebook, in order
 
 
 @dataclass
@@ -124,11 +199,12 @@ class CellRun:
     status: str
     ename: str = ""
     evalue: str = ""
-    stdout: str = ""
     limit_s: float = 0.0
     notebook_limit: bool = False
     stopped_by: str = ""  # for "not run": died, stuck, time limit, lost
     stopped_at: int = -1  # the index of the cell that stopped the run
+    sealed: list = field(default_factory=list)  # the grading messages it published (unverified)
+    dropped_chars: int = 0  # output beyond MAX_OUTPUT_CHARS_PER_CELL
 
 
 class GraderError(Exception):
@@ -147,55 +223,82 @@ def chapter_of(nb, path: Path | str) -> str | None:
     return chapter if isinstance(chapter, str) and chapter else chapter_from_name(path)
 
 
-def read_notebook(path: Path) -> tuple[nbformat.NotebookNode | None, str | None]:
-    """(notebook, None), or (None, why it is not a notebook)."""
+@dataclass
+class ReadNotebook:
+    """``read_notebook``'s answer: the notebook, or why it is not one; and what was done to it."""
+
+    nb: nbformat.NotebookNode | None
+    problem: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def read_notebook(path: Path) -> ReadNotebook:
+    """The notebook in ``path``; see ``parse_notebook``."""
     try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        return None, "not a notebook: the file is not UTF-8 text"
+        data = path.read_bytes()
     except OSError as error:
-        return None, f"could not read the file: {error.strerror or error}"
+        return ReadNotebook(None, f"could not read the file: {error.strerror or error}")
+    return parse_notebook(data, path.suffix)
+
+
+def parse_notebook(data: bytes, suffix: str = ".ipynb") -> ReadNotebook:
+    """The notebook in ``data`` (nbformat 4; 1 to 3 converted), or why it is not one."""
     try:
-        data = json.loads(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return ReadNotebook(None, "not a notebook: the file is not UTF-8 text")
+    try:
+        raw = json.loads(text)
     except json.JSONDecodeError as error:
-        prefix = "" if path.suffix == ".ipynb" else "not a notebook: "
-        return None, (f"{prefix}invalid JSON (line {error.lineno}, column {error.colno}): "
-                      f"{error.msg}")
-    if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
-        return None, "not a notebook: JSON without a list of cells"
+        prefix = "" if suffix == ".ipynb" else "not a notebook: "
+        return ReadNotebook(None, f"{prefix}invalid JSON (line {error.lineno}, column "
+                                  f"{error.colno}): {error.msg}")
+    except RecursionError:
+        return ReadNotebook(None, "not a notebook: JSON nested too deeply")
+    version = raw.get("nbformat") if isinstance(raw, dict) else None
+    notes = []
+    if isinstance(version, int) and not isinstance(version, bool) and version != 4:
+        if not 1 <= version <= 3:
+            return ReadNotebook(None, f"not a notebook this grader can read: nbformat {version} "
+                                      "(it reads 4 and converts 1 to 3)")
+        notes.append(f"the notebook was converted from nbformat {version} to 4 before grading")
+    elif not isinstance(raw, dict) or not isinstance(raw.get("cells"), list):
+        return ReadNotebook(None, "not a notebook: JSON without a list of cells")
     try:
         nb = nbformat.reads(text, as_version=4)
     except Exception as error:  # nbformat raises schema, key and type errors alike
-        return None, f"not a valid notebook: {_shorten(str(error).splitlines()[0])}"
+        return ReadNotebook(None, f"not a valid notebook: {_shorten(str(error).splitlines()[0])}")
     # Jupyter opens notebooks that bend the schema a little; so does the grader, where it can.
+    if not isinstance(nb.get("cells"), list) or not isinstance(nb.get("metadata"), dict):
+        return ReadNotebook(None, "not a valid notebook: no list of cells after conversion")
     for index, cell in enumerate(nb.cells):
         if (not isinstance(cell, dict) or cell.get("cell_type") not in ("code", "markdown", "raw")
                 or not isinstance(cell.get("source"), str)):
-            return None, f"not a valid notebook: cell {index + 1} has no cell_type or source"
-        cell.setdefault("metadata", nbformat.NotebookNode())
+            return ReadNotebook(None, f"not a valid notebook: cell {index + 1} has no cell_type "
+                                      "or source")
+        if not isinstance(cell.get("metadata"), dict):
+            cell["metadata"] = nbformat.NotebookNode()
         if cell.cell_type == "code":
-            cell.setdefault("outputs", [])
-            cell.setdefault("execution_count", None)
-    return nb, None
+            cell["outputs"], cell["execution_count"] = [], None
+    return ReadNotebook(nb, None, notes)
 
 
-def find_solution_notebook(chapter: str, solutions_dir: Path) -> Path:
-    """The notebook in ``solutions_dir`` whose metadata names ``chapter``, else its NN_ file."""
-    candidates = sorted(solutions_dir.glob("*.ipynb"))
-    for path in candidates:
-        nb, _ = read_notebook(path)
-        if nb is not None and (nb.metadata.get("course_attn") or {}).get("chapter") == chapter:
-            return path
-    for path in candidates:
-        if chapter_from_name(path) == chapter:
-            return path
-    raise GraderError(f"no solutions notebook for chapter {chapter} in {solutions_dir}")
+def solution_chapters(solutions_dir: Path) -> dict[str, Path]:
+    """Chapter -> its notebook in ``solutions_dir`` (metadata first, else the NN_ prefix)."""
+    found: dict[str, Path] = {}
+    for path in sorted(solutions_dir.glob("*.ipynb")):
+        nb = read_notebook(path).nb
+        chapter = chapter_of(nb, path)
+        if chapter is not None:
+            found.setdefault(chapter, path)
+    return found
 
 
 def load_canonical(path: Path) -> Canonical:
-    nb, problem = read_notebook(path)
-    if nb is None:
-        raise GraderError(f"solutions notebook {path}: {problem}")
+    read = read_notebook(path)
+    if read.nb is None:
+        raise GraderError(f"solutions notebook {path}: {read.problem}")
+    nb = read.nb
     try:
         exercise_nb = generate_notebook(nb, str(path))
     except ValueError as error:
@@ -210,13 +313,36 @@ def load_canonical(path: Path) -> Canonical:
             exercises.append(Exercise(grade_id(cell), nbgrader_metadata(cell)["points"],
                                       cell.source))
     given = {grade_id(cell): cell for cell in exercise_nb.cells if grade_id(cell) in protected}
-    return Canonical(path, exercises, protected, given)
+    order = [grade_id(cell) for cell in nb.cells if grade_id(cell) is not None]
+    return Canonical(path, exercises, protected, given, order)
+
+
+def load_canonicals(solutions_dir: Path | str) -> dict[str, Canonical | str]:
+    """Chapter -> its Canonical, or why it could not be loaded, for every notebook in
+    ``solutions_dir``; read once, before any kernel starts."""
+    loaded: dict[str, Canonical | str] = {}
+    for chapter, path in solution_chapters(Path(solutions_dir)).items():
+        try:
+            loaded[chapter] = load_canonical(path)
+        except GraderError as error:
+            loaded[chapter] = str(error)
+    return loaded
 
 
 def _same_source(a: str, b: str) -> bool:
     def normalise(s):
         return [line.rstrip() for line in s.strip().splitlines()]
     return normalise(a) == normalise(b)
+
+
+def _grading_fields(cell) -> dict:
+    """The nbgrader fields that nbgrader's checksum covers besides the source: whether the cell
+    is graded, a solution or locked, and its points (for a grade cell)."""
+    meta = nbgrader_metadata(cell)
+    fields = {key: bool(meta.get(key, False)) for key in ("grade", "solution", "locked")}
+    if fields["grade"]:
+        fields["points"] = meta.get("points")
+    return fields
 
 
 def _fresh_copy(cell):
@@ -246,7 +372,8 @@ def restore_protected_cells(nb, canonical: Canonical) -> Restored:
     locked cell (the setup) is put back before the next protected cell; a deleted check cell is
     not (that exercise scores 0). Flags name cells by their number in the student's file.
     """
-    flags, placed = [], {}
+    flags = _order_and_duplicate_flags(nb, canonical)
+    placed: dict[str, int] = {}
     for index, cell in enumerate(nb.cells):
         gid = grade_id(cell)
         if gid not in canonical.protected:
@@ -260,13 +387,17 @@ def restore_protected_cells(nb, canonical: Canonical) -> Restored:
         if cell.cell_type != given.cell_type or not (_same_source(cell.source, given.source) or
                                                      _same_source(cell.source, original.source)):
             flags.append(f"{kind} cell {gid} (cell {index + 1}) was modified; the original was run")
+        elif _grading_fields(cell) != _grading_fields(given):
+            flags.append(f"{kind} cell {gid} (cell {index + 1}) had its nbgrader metadata changed "
+                         f"({_grading_fields(cell)}); the original was run")
         nb.cells[index] = _fresh_copy(original)
         placed[gid] = index
     for exercise in canonical.exercises:
         if exercise.grade_id in placed:
             continue
         for index, cell in enumerate(nb.cells):
-            if (cell.cell_type == "code" and not nbgrader_metadata(cell)
+            if (cell.cell_type == "code" and grade_id(cell) not in canonical.protected
+                    and index not in placed.values()
                     and _same_source(cell.source, canonical.given[exercise.grade_id].source)):
                 flags.append(f"check cell {exercise.grade_id} (cell {index + 1}) lost its nbgrader "
                              "metadata; it was recognised by its source")
@@ -285,23 +416,77 @@ def restore_protected_cells(nb, canonical: Canonical) -> Restored:
         placed = {g: i + (i >= at) for g, i in placed.items()}
         placed[gid] = at
         flags.append(f"locked cell {gid} was missing; the grader put it back")
-    for exercise in canonical.exercises:
-        if exercise.grade_id in placed:
-            nb.cells[placed[exercise.grade_id]].source = CHECK_IMPORT + exercise.source
     exercise_ids = {e.grade_id for e in canonical.exercises}
     return Restored({g: i for g, i in placed.items() if g in exercise_ids}, flags, numbers)
 
 
+def _order_and_duplicate_flags(nb, canonical: Canonical) -> list[str]:
+    """Flags for solution cells that repeat a grade_id, and for known cells out of order."""
+    flags, first_seen, sequence = [], {}, []
+    rank = {gid: position for position, gid in enumerate(canonical.order)}
+    for index, cell in enumerate(nb.cells):
+        gid = grade_id(cell)
+        if gid not in rank:
+            continue
+        if gid in first_seen:
+            if gid not in canonical.protected:  # protected repeats are flagged when restored
+                flags.append(f"cell {index + 1} repeats the grade_id {gid} of cell "
+                             f"{first_seen[gid] + 1}; both ran, in order")
+            continue
+        first_seen[gid] = index
+        sequence.append((rank[gid], gid, index))
+    for (rank_a, gid_a, index_a), (rank_b, gid_b, index_b) in zip(sequence, sequence[1:]):
+        if rank_b < rank_a:
+            flags.append(f"cells are out of their original order: {gid_b} (cell {index_b + 1}) "
+                         f"comes after {gid_a} (cell {index_a + 1})")
+            break
+    return flags
+
+
+@dataclass
+class Seal:
+    """This run's secret for the sealed checks, and the nonce of each check cell."""
+
+    key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    name: str = field(default_factory=lambda: f"_course_attn_grading_{secrets.token_hex(8)}")
+    nonces: dict[int, str] = field(default_factory=dict)  # check cell index -> nonce
+
+    def preamble(self, key_file: Path, check_modules: tuple[str, ...]) -> str:
+        return (f"from course_attn.grading.sealed import install\n"
+                f"install({str(key_file)!r}, {self.name!r}, {list(check_modules)!r})\n"
+                f"del install\n")
+
+
+def seal_check_cells(nb, restored: Restored, canonical: Canonical, seal: Seal) -> None:
+    """Wrap each placed check cell (in place) in the sealed check, with a fresh nonce."""
+    for exercise in canonical.exercises:
+        index = restored.placed.get(exercise.grade_id)
+        if index is None:
+            continue
+        nonce = secrets.token_hex(16)
+        seal.nonces[index] = nonce
+        body = exercise.source if exercise.source.endswith("\n") else exercise.source + "\n"
+        nb.cells[index].source = (f"check = {seal.name}.begin({nonce!r})\n{body}"
+                                  f"{seal.name}.end({nonce!r})\n")
+
+
 class _GradingClient(NotebookClient):
-    """nbclient that keeps at most ``MAX_OUTPUT_CHARS_PER_CELL`` of a cell's text output."""
+    """nbclient that sets the grading messages aside and keeps at most
+    ``MAX_OUTPUT_CHARS_PER_CELL`` of a cell's other output."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.output_chars: dict[int, int] = {}
+        self.sealed: dict[int, list] = {}
 
     def output(self, outs, msg, display_id, cell_index):
         content = msg.get("content", {})
-        size = len(str(content.get("text", ""))) + len(str(content.get("data", "")))
+        data = content.get("data")
+        if isinstance(data, dict) and sealed.MIME_TYPE in data:
+            if msg.get("msg_type") == "display_data":
+                self.sealed.setdefault(cell_index, []).append(data[sealed.MIME_TYPE])
+            return None
+        size = len(str(content.get("text", ""))) + len(str(data or ""))
         used = self.output_chars.get(cell_index, 0) + size
         self.output_chars[cell_index] = used
         if used > MAX_OUTPUT_CHARS_PER_CELL:
@@ -324,6 +509,8 @@ async def _kernel_answers(kc, within_s: float) -> bool:
 
 
 async def _shutdown(km: AsyncKernelManager) -> None:
+    """Kill the kernel and every process left in its process group (a dead kernel's too)."""
+    group = getattr(km.provisioner, "pgid", None) if km.has_kernel else None
     try:
         if not km.has_kernel:
             return
@@ -333,22 +520,94 @@ async def _shutdown(km: AsyncKernelManager) -> None:
             await km.cleanup_resources()
     except Exception:  # the kernel is gone or going; nothing left to free that we can reach
         pass
+    finally:
+        if group and hasattr(os, "killpg") and group != os.getpgrp():
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except OSError:  # nobody left
+                pass
 
 
-async def execute_notebook(nb, workdir: Path, *, cell_timeout: float = CELL_TIMEOUT_S,
-                           notebook_timeout: float = NOTEBOOK_TIMEOUT_S) -> list[CellRun]:
+def _limit_kernel_resources(memory_mb: int) -> None:
+    """In the kernel's process, before it starts: no core dumps, at most ``memory_mb`` MiB of
+    data (heap and private mappings); Linux counts every private anonymous mapping here."""
+    import resource
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if memory_mb:
+        limit = memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+async def _run_preamble(km, kc, code: str, memory_mb: int) -> None:
+    """Run the grader's preamble silently (no history, no execution count); GraderError if it
+    fails or the kernel dies first."""
+    msg_id = kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+    deadline = time.monotonic() + KERNEL_STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            msg = await kc.shell_channel.get_msg(timeout=1.0)
+        except queue.Empty:
+            if not await km.is_alive():
+                break
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        content = msg["content"]
+        if content.get("status") == "ok":
+            return
+        problem = f"{content.get('ename')}: {_shorten(str(content.get('evalue')), 300)}"
+        if memory_mb and _OUT_OF_MEMORY.search(problem):
+            problem += _MEMORY_HINT.format(memory_mb)
+        raise GraderError(f"could not prepare the kernel for grading: {problem}")
+    raise GraderError("could not prepare the kernel for grading: it died or did not answer"
+                      + (_MEMORY_HINT.format(memory_mb) if memory_mb else ""))
+
+
+_MEMORY_HINT = " (is the memory limit of {} MB too small? the kernel needs about 350 MB to " \
+               "import torch)"
+
+
+async def _exit_description(km: AsyncKernelManager) -> str:
+    """How the kernel's process ended: ``SIGSEGV`` or ``exit status 1``; "" if unknown."""
+    try:
+        code = await km.provisioner.poll() if km.provisioner is not None else None
+    except Exception:
+        code = None
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
+
+
+async def execute_notebook(nb, workdir: Path, options: GradingOptions = GradingOptions(),
+                           seal: Seal | None = None) -> list[CellRun]:
     """Run ``nb``'s code cells (in place) in a fresh kernel started in ``workdir``.
 
-    Returns one CellRun per cell; raises GraderError only when no kernel could be started.
+    With ``seal``, the kernel first runs the preamble that installs the sealed checks, its key
+    passed in a file next to ``workdir``. Returns one CellRun per cell; raises GraderError only
+    when no kernel could be started or prepared.
     """
     runs = [CellRun("skipped") for _ in nb.cells]
-    km = AsyncKernelManager(kernel_name=KERNEL_NAME)
+    # Unix sockets next to workdir where possible: no TCP port that another grader process
+    # could take between choosing it and binding it.
+    transport = {"transport": "ipc", "connection_file": str(workdir.parent / "kernel.json")} \
+        if os.name == "posix" else {}
+    km = AsyncKernelManager(kernel_name=KERNEL_NAME, **transport)
     log_path = workdir.parent / "kernel.log"
     with open(log_path, "wb") as kernel_log:
         try:
             try:
+                launch = {}
+                if hasattr(os, "fork"):  # POSIX: limits are set in the kernel's process
+                    launch["preexec_fn"] = functools.partial(_limit_kernel_resources,
+                                                             options.memory_mb)
                 await km.start_kernel(cwd=str(workdir), stdout=kernel_log, stderr=kernel_log,
-                                      extra_arguments=["--HistoryManager.hist_file=:memory:"])
+                                      extra_arguments=["--HistoryManager.hist_file=:memory:"],
+                                      **launch)
                 kc = km.client()
                 kc.start_channels()
                 kc.allow_stdin = False  # input() raises instead of waiting for a reader forever
@@ -361,7 +620,17 @@ async def execute_notebook(nb, workdir: Path, *, cell_timeout: float = CELL_TIME
                     tail = log_path.read_text(errors="replace")[-2000:]
                     raise GraderError(f"the {KERNEL_NAME} kernel did not start: {error}\n{tail}") \
                         from None
-                await _run_cells(nb, km, kc, runs, cell_timeout, notebook_timeout)
+                if seal is not None:
+                    key_file = workdir.parent / f"key-{secrets.token_hex(8)}"
+                    descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    with os.fdopen(descriptor, "wb") as file:
+                        file.write(seal.key)
+                    try:
+                        await _run_preamble(km, kc, seal.preamble(key_file, options.check_modules),
+                                            options.memory_mb)
+                    finally:
+                        key_file.unlink(missing_ok=True)
+                await _run_cells(nb, km, kc, runs, options)
             finally:
                 kc.stop_channels()
         finally:
@@ -369,8 +638,8 @@ async def execute_notebook(nb, workdir: Path, *, cell_timeout: float = CELL_TIME
     return runs
 
 
-async def _run_cells(nb, km, kc, runs: list[CellRun], cell_timeout: float,
-                     notebook_timeout: float) -> None:
+async def _run_cells(nb, km, kc, runs: list[CellRun], options: GradingOptions) -> None:
+    cell_timeout, notebook_timeout = options.cell_timeout, options.notebook_timeout
     limit = {"s": cell_timeout}
     client = _GradingClient(
         nb, km=km, kernel_name=KERNEL_NAME, timeout_func=lambda cell: limit["s"],
@@ -396,26 +665,28 @@ async def _run_cells(nb, km, kc, runs: list[CellRun], cell_timeout: float,
         try:
             await client.async_execute_cell(cell, index, execution_count=index + 1)
         except DeadKernelError:
-            runs[index] = CellRun("died")
-            stop = CellRun("not run", stopped_by="died", stopped_at=index)
+            how = await _exit_description(km)
+            runs[index] = CellRun("died", evalue=how)
+            stop = CellRun("not run", evalue=how, stopped_by="died", stopped_at=index)
             continue
         except Exception as error:  # the connection to the kernel broke; it is not usable now
             runs[index] = CellRun("error", "GraderError", str(error))
             stop = CellRun("not run", evalue=str(error), stopped_by="lost", stopped_at=index)
             continue
-        stdout = "".join(out.get("text", "") for out in cell.outputs
-                         if out.get("output_type") == "stream" and out.get("name") == "stdout")
         reply = replies.get(index, {}).get("content", {})
         if reply.get("ename") == _TIMEOUT_ENAME:
-            runs[index] = CellRun("timeout", stdout=stdout, limit_s=limit["s"],
-                                  notebook_limit=limit["s"] < cell_timeout)
+            run = CellRun("timeout", limit_s=limit["s"], notebook_limit=limit["s"] < cell_timeout)
             if not await _kernel_answers(kc, INTERRUPT_GRACE_S):
                 stop = CellRun("not run", stopped_by="stuck", stopped_at=index)
         elif reply.get("status") == "error":
-            runs[index] = CellRun("error", str(reply.get("ename", "")),
-                                  str(reply.get("evalue", "")), stdout)
-        else:
-            runs[index] = CellRun("ok", stdout=stdout)
+            run = CellRun("error", str(reply.get("ename", "")), str(reply.get("evalue", "")))
+        elif reply.get("status") == "ok":
+            run = CellRun("ok")
+        else:  # "aborted", or a reply a tampered kernel made up
+            run = CellRun("error", "Aborted", f"the kernel replied {reply.get('status')!r}")
+        run.sealed = client.sealed.get(index, [])
+        run.dropped_chars = max(0, client.output_chars.get(index, 0) - MAX_OUTPUT_CHARS_PER_CELL)
+        runs[index] = run
 
 
 _SYNTAX_ERRORS = {"SyntaxError", "IndentationError", "TabError"}
@@ -426,29 +697,15 @@ def _shorten(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _failed_checks(stdout: str) -> list[tuple[str, str]]:
-    """(case name, message) of each failed case in ``check``'s printed report."""
-    failed, lines = [], stdout.splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith("  ✗ "):
-            message = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            failed.append((line[4:].strip(), "" if message.startswith("hint:") else message))
-    return failed
+def _out_of_memory(text: str, memory_mb: int) -> str | None:
+    """"ran out of memory (...)" if ``text`` (an error) says so, else None."""
+    if not _OUT_OF_MEMORY.search(text):
+        return None
+    return f"ran out of memory (the limit is {memory_mb} MB)" if memory_mb else \
+        "ran out of memory"
 
 
-def _explain_check_failure(evalue: str, stdout: str) -> str:
-    failed = _failed_checks(stdout)
-    if failed and all(message == NOT_IMPLEMENTED_MESSAGE for _, message in failed):
-        return "not implemented"
-    counted = re.search(r"(\d+) of (\d+) checks failed", evalue)
-    summary = counted.group(0) if counted else _shorten(evalue)
-    if failed:
-        name, message = failed[0]
-        summary += f" (first: {name}: {_shorten(message, 160)})"
-    return summary
-
-
-def _explain_error(run: CellRun, where: str, label, in_your_code: bool) -> str:
+def _explain_error(run: CellRun, where: str, label, in_your_code: bool, memory_mb: int) -> str:
     """Why a cell failed, in a sentence for the student. ``where``: that cell's label;
     ``label(index)``: any cell's."""
     if run.status == "timeout":
@@ -457,16 +714,21 @@ def _explain_error(run: CellRun, where: str, label, in_your_code: bool) -> str:
             text += " (the rest of the notebook's time limit)"
         return f"{text} in your code ({where})" if in_your_code else text
     if run.status == "died":
-        return f"kernel died while running {where}"
+        how = f" ({run.evalue})" if run.evalue else ""
+        return f"kernel died{how} while running {where}"
     if run.status == "not run":
         stopper = label(run.stopped_at)
+        how = f" ({run.evalue})" if run.stopped_by == "died" and run.evalue else ""
         return {
-            "died": f"kernel died while running {stopper}",
+            "died": f"kernel died{how} while running {stopper}",
             "stuck": f"not run: the kernel stopped responding after {stopper} ran out of time",
             "time limit": f"not run: the notebook's time limit of {run.limit_s:g} s was reached",
             "lost": f"not run: the grader lost the kernel in {stopper} ({run.evalue})",
         }[run.stopped_by]
     ename, evalue = run.ename, run.evalue
+    memory = _out_of_memory(f"{ename}: {evalue}", memory_mb)
+    if memory:
+        return f"{memory} in your code ({where})" if in_your_code else memory
     if ename in _SYNTAX_ERRORS:
         line = re.search(r"\(\S+, line (\d+)\)$", evalue)
         message = re.sub(r"\s*\(\S+, line \d+\)$", "", evalue)
@@ -481,99 +743,182 @@ def _explain_error(run: CellRun, where: str, label, in_your_code: bool) -> str:
     return f"{ename}: {_shorten(evalue, 160)}"
 
 
-def _explain(run: CellRun, index: int, block: list[tuple[int, CellRun]], label) -> str:
-    """Why the check cell ``index`` failed; ``block``: the student's cells since the last check."""
+def _explain_report(report: dict, memory_mb: int) -> str:
+    """Why a (signed) failed report failed; its case results are for the reason only."""
+    results = report.get("results") if isinstance(report.get("results"), list) else []
+    failed = [r for r in results if isinstance(r, dict) and not r.get("passed")]
+    tampered = report.get("tampered") or []
+    if tampered:
+        return "the submission changed the grading code in the kernel: " + \
+            _shorten(", ".join(map(str, tampered)), 160)
+    called = next((r.get("reference_called") for r in failed if r.get("reference_called")), "")
+    if called:
+        return (f"calls {called}, the package's reference, instead of computing the answer "
+                "itself")
+    if failed and all(r.get("message") == NOT_IMPLEMENTED_MESSAGE for r in failed):
+        return "not implemented"
+    for r in failed:
+        memory = _out_of_memory(str(r.get("message", "")), memory_mb)
+        if memory:
+            return f"{memory} in the check {str(r.get('name'))!r}"
+    summary = f"{len(failed)} of {len(results)} checks failed"
+    if failed:
+        message = str(failed[0].get("message", ""))
+        summary += f" (first: {failed[0].get('name')}: {_shorten(message, 160)})"
+    return summary
+
+
+@dataclass
+class _Verdict:
+    passed: bool
+    reason: str
+    flag: str = ""
+
+
+def _judge(exercise: Exercise, index: int, run: CellRun, block: list[tuple[int, CellRun]],
+           restored: Restored, seal: Seal, memory_mb: int) -> _Verdict:
+    """Pass or fail, and why, for the check cell ``index`` of ``exercise``; ``block``: the
+    student's cells since the previous check cell."""
+    nonce = seal.nonces.get(index)
+    authentic = [m for m in run.sealed
+                 if sealed.is_authentic(seal.key, m) and m.get("nonce") == nonce]
+    reports = [m for m in authentic if m.get("kind") == "report"]
+    done = any(m.get("kind") == "done" and set(exercise.checked_names) <= set(m["exercises"])
+               for m in authentic)
+    where = f"{exercise.grade_id} ({restored.label(index)})"
+    if run.status == "ok":
+        if done:
+            return _Verdict(True, "passed")
+        return _Verdict(False, "the check cell reported success without the grader's signed "
+                               "confirmation: the submission interfered with the kernel",
+                        f"check cell {where} ran without error but its pass was not confirmed "
+                        "by the sealed check: the submission interfered with the kernel")
+    failed = [m for m in reports if m.get("passed") is not True]
+    if run.status == "error" and failed:
+        reason = _explain_report(failed[0], memory_mb)
+        flag = f"{where}: {reason}" if failed[0].get("tampered") else ""
+        return _Verdict(False, reason, flag)
+    if run.status == "error" and reports and run.ename == "ExerciseFailed":  # from end()
+        return _Verdict(False, _shorten(run.evalue, 200), f"{where}: {_shorten(run.evalue)}")
+    if run.status == "error" and reports:
+        detail = run.evalue if run.ename == "AssertionError" else f"{run.ename}: {run.evalue}"
+        return _Verdict(False, f"a hidden test failed: {_shorten(detail, 160)}")
     if run.status == "error":
-        if run.ename == "ExerciseFailed":
-            return _explain_check_failure(run.evalue, run.stdout)
         if run.ename == "NotImplementedError":
-            return "not implemented"
+            return _Verdict(False, "not implemented")
         if run.ename == "NameError":
             for i, earlier in block:
                 if earlier.status in ("error", "timeout"):
-                    return _explain_error(earlier, label(i), label, in_your_code=True)
-            return f"{_shorten(run.evalue, 120)} (missing function?)"
-    return _explain_error(run, label(index), label, in_your_code=False)
+                    return _Verdict(False, _explain_error(earlier, restored.label(i),
+                                                          restored.label, True, memory_mb))
+            return _Verdict(False, f"{_shorten(run.evalue, 120)} (missing function?)")
+    return _Verdict(False, _explain_error(run, restored.label(index), restored.label, False,
+                                          memory_mb))
 
 
-def score_exercises(canonical: Canonical, restored: Restored,
-                    runs: list[CellRun]) -> list[ExerciseScore]:
-    """One ExerciseScore per canonical exercise, from the runs of the restored notebook."""
+def score_exercises(canonical: Canonical, restored: Restored, runs: list[CellRun], seal: Seal,
+                    memory_mb: int = 0) -> tuple[list[ExerciseScore], list[str]]:
+    """One ExerciseScore per canonical exercise, from the runs of the restored notebook, and the
+    flags that the runs raise."""
     check_cells = sorted(restored.placed.values())
-    scores = []
+    scores, flags = [], []
     for exercise in canonical.exercises:
         index = restored.placed.get(exercise.grade_id)
         if index is None:
             scores.append(ExerciseScore(exercise.grade_id, 0, exercise.points, False,
                                         "check cell missing"))
             continue
-        run = runs[index]
-        if run.status == "ok":
-            scores.append(ExerciseScore(exercise.grade_id, exercise.points, exercise.points,
-                                        True, "passed"))
-            continue
         start = max([i for i in check_cells if i < index], default=-1) + 1
         block = [(i, runs[i]) for i in range(start, index)]
-        scores.append(ExerciseScore(exercise.grade_id, 0, exercise.points, False,
-                                    _explain(run, index, block, restored.label)))
-    return scores
+        verdict = _judge(exercise, index, runs[index], block, restored, seal, memory_mb)
+        if verdict.flag:
+            flags.append(verdict.flag)
+        scores.append(ExerciseScore(exercise.grade_id, exercise.points if verdict.passed else 0,
+                                    exercise.points, verdict.passed, verdict.reason))
+    for index, run in enumerate(runs):
+        if run.dropped_chars:
+            flags.append(f"{restored.label(index)} printed {run.dropped_chars:,} characters more "
+                         f"than the {MAX_OUTPUT_CHARS_PER_CELL:,} kept per cell")
+    return scores, flags
 
 
-async def _grade_one(path: Path, solutions_dir: Path, canonicals: dict, cell_timeout: float,
-                     notebook_timeout: float) -> NotebookGrade:
+def lookup_in(canonicals: dict[str, "Canonical | str"], solutions_dir: Path | str = "solutions"):
+    """A chapter -> Canonical lookup over ``load_canonicals``' answer."""
+    def lookup(chapter: str) -> Canonical:
+        found = canonicals.get(chapter)
+        if found is None:
+            raise GraderError(f"no solutions notebook for chapter {chapter} in {solutions_dir}")
+        if isinstance(found, str):
+            raise GraderError(found)
+        return found
+    return lookup
+
+
+async def grade_data(name: str, data: bytes | None, canonical_for, options: GradingOptions,
+                     *, read_problem: str | None = None, path: str | None = None) -> NotebookGrade:
+    """Grade the submitted bytes ``data`` of a file named ``name`` (reported as ``path``).
+
+    ``canonical_for(chapter)`` returns that chapter's Canonical or raises GraderError;
+    ``read_problem``: why the file could not be read (``data`` is then None).
+    """
     started = time.monotonic()
-    grade = NotebookGrade(str(path))
-    with tempfile.TemporaryDirectory(prefix="course_attn_grade_",
-                                     ignore_cleanup_errors=True) as tmp:
-        workdir = Path(tmp) / "work"
-        workdir.mkdir()
-        submission = workdir / path.name
+    grade = NotebookGrade(path or name)
+    read = ReadNotebook(None, read_problem) if data is None else \
+        parse_notebook(data, Path(name).suffix)
+    nb = read.nb
+    grade.chapter = chapter_of(nb, name)
+    grade.flags.extend(read.notes)
+    canonical, missing = None, ""
+    if grade.chapter is not None:
         try:
-            shutil.copyfile(path, submission)
-            nb, problem = read_notebook(submission)
-        except OSError as error:
-            nb, problem = None, f"could not read the file: {error.strerror or error}"
-        grade.chapter = chapter_of(nb, path)
-        canonical, missing = None, ""
-        if grade.chapter is not None:
+            canonical = canonical_for(grade.chapter)
+        except GraderError as error:
+            missing = str(error)
+    if nb is None or canonical is None:
+        if nb is not None and grade.chapter is None:
+            read.problem = ("cannot tell which chapter this is: no course_attn.chapter in its "
+                            "metadata and no NN_ prefix in its file name")
+        grade.error = read.problem or missing
+        grade.grader_error = read.problem is None
+    else:
+        restored = restore_protected_cells(nb, canonical)
+        grade.flags.extend(restored.flags)
+        seal = Seal()
+        seal_check_cells(nb, restored, canonical, seal)
+        with tempfile.TemporaryDirectory(prefix="course_attn_grade_",
+                                         ignore_cleanup_errors=True) as tmp:
+            workdir = Path(tmp) / "work"  # the kernel's working folder; the notebook stays
+            workdir.mkdir()                 # in memory, so its nonces are not on disk
             try:
-                if grade.chapter not in canonicals:
-                    canonicals[grade.chapter] = load_canonical(
-                        find_solution_notebook(grade.chapter, solutions_dir))
-                canonical = canonicals[grade.chapter]
-            except GraderError as error:
-                missing = str(error)
-        if nb is None or canonical is None:
-            if nb is not None and grade.chapter is None:
-                problem = ("cannot tell which chapter this is: no course_attn.chapter in its "
-                           "metadata and no NN_ prefix in its file name")
-            grade.error = problem or missing
-            grade.grader_error = problem is None
-        else:
-            restored = restore_protected_cells(nb, canonical)
-            grade.flags = restored.flags
-            try:
-                runs = await execute_notebook(nb, workdir, cell_timeout=cell_timeout,
-                                              notebook_timeout=notebook_timeout)
-                grade.exercises = score_exercises(canonical, restored, runs)
+                runs = await execute_notebook(nb, workdir, options, seal)
+                grade.exercises, run_flags = score_exercises(canonical, restored, runs, seal,
+                                                             options.memory_mb)
+                grade.flags.extend(run_flags)
             except GraderError as error:
                 grade.error, grade.grader_error = str(error), True
-        if canonical is not None and not grade.exercises:
-            grade.exercises = [ExerciseScore(e.grade_id, 0, e.points, False,
-                                             f"not graded: {grade.error}")
-                               for e in canonical.exercises]
+    if canonical is not None and not grade.exercises:
+        grade.exercises = [ExerciseScore(e.grade_id, 0, e.points, False,
+                                         f"not graded: {grade.error}")
+                           for e in canonical.exercises]
     grade.seconds = time.monotonic() - started
     return grade
 
 
-async def _grade_all(paths, solutions_dir, cell_timeout, notebook_timeout, jobs, progress):
-    canonicals: dict = {}
+async def _grade_file(path: Path, canonical_for, options: GradingOptions) -> NotebookGrade:
+    try:
+        data, problem = path.read_bytes(), None
+    except OSError as error:
+        data, problem = None, f"could not read the file: {error.strerror or error}"
+    return await grade_data(path.name, data, canonical_for, options, read_problem=problem,
+                            path=str(path))
+
+
+async def _grade_all(paths, canonical_for, options, jobs, progress):
     slots = asyncio.Semaphore(max(1, jobs))
 
     async def one(path):
         async with slots:
-            grade = await _grade_one(Path(path), Path(solutions_dir), canonicals, cell_timeout,
-                                     notebook_timeout)
+            grade = await _grade_file(Path(path), canonical_for, options)
         if progress:
             print(f"graded {grade.path}: {grade.total:g} / {grade.max_points:g} "
                   f"({grade.seconds:.1f} s)", file=sys.stderr, flush=True)
@@ -583,11 +928,14 @@ async def _grade_all(paths, solutions_dir, cell_timeout, notebook_timeout, jobs,
 
 
 def grade_notebooks(paths, *, solutions_dir: Path | str, cell_timeout: float = CELL_TIMEOUT_S,
-                    notebook_timeout: float = NOTEBOOK_TIMEOUT_S, jobs: int = 1,
+                    notebook_timeout: float = NOTEBOOK_TIMEOUT_S, memory_mb: int = MEMORY_MB,
+                    check_modules: tuple[str, ...] = (), jobs: int = 1,
                     progress: bool = False) -> list[NotebookGrade]:
-    """Grade each file in ``paths`` (``jobs`` at a time); never raises for a bad submission."""
-    return run_sync(_grade_all)(list(paths), solutions_dir, cell_timeout, notebook_timeout, jobs,
-                                progress)
+    """Grade each file in ``paths`` (``jobs`` at a time, in this process); never raises for a
+    bad submission. ``batch.grade_files`` does the same in worker processes."""
+    options = GradingOptions(cell_timeout, notebook_timeout, memory_mb, tuple(check_modules))
+    canonical_for = lookup_in(load_canonicals(solutions_dir), solutions_dir)
+    return run_sync(_grade_all)(list(paths), canonical_for, options, jobs, progress)
 
 
 def grade_notebook(path: Path | str, **options) -> NotebookGrade:
@@ -624,70 +972,12 @@ def format_table(grades: list[NotebookGrade]) -> str:
     return "\n".join(lines)
 
 
-def _default_solutions_dir() -> Path:
+def default_solutions_dir() -> Path:
     here = Path("solutions")
     return here if here.is_dir() else Path(__file__).resolve().parents[2] / "solutions"
 
 
-def _collect(paths: list[str]) -> list[Path]:
-    found: list[Path] = []
-    for name in paths:
-        path = Path(name)
-        if path.is_dir():
-            notebooks = sorted(path.glob("*.ipynb"))
-            if not notebooks:
-                raise ValueError(f"no .ipynb file in folder {name}")
-            found.extend(notebooks)
-        elif path.exists():
-            found.append(path)
-        else:
-            raise ValueError(f"no such file or folder: {name}")
-    seen: set[Path] = set()
-    unique = []
-    for path in found:
-        if path.resolve() not in seen:
-            seen.add(path.resolve())
-            unique.append(path)
-    return unique
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m course_attn.grade",
-        description="Grade exercise notebooks: each runs in a fresh kernel, on a copy.")
-    parser.add_argument("paths", nargs="+", metavar="PATH",
-                        help="a notebook, or a folder of notebooks (*.ipynb)")
-    parser.add_argument("--json", type=Path, metavar="REPORT.json",
-                        help="also write a machine-readable report here")
-    parser.add_argument("--timeout", type=float, default=CELL_TIMEOUT_S, metavar="SECONDS",
-                        help=f"time limit per cell (default {CELL_TIMEOUT_S:g})")
-    parser.add_argument("--notebook-timeout", type=float, default=NOTEBOOK_TIMEOUT_S,
-                        metavar="SECONDS",
-                        help=f"time limit per notebook (default {NOTEBOOK_TIMEOUT_S:g})")
-    parser.add_argument("--solutions", type=Path, metavar="DIR",
-                        help="folder of solution notebooks (default: ./solutions, else the "
-                             "repository's)")
-    parser.add_argument("--jobs", type=int, default=1, metavar="N",
-                        help="grade N notebooks at a time (default 1)")
-    args = parser.parse_args(argv)
-    solutions_dir = args.solutions or _default_solutions_dir()
-    try:
-        if args.timeout <= 0 or args.notebook_timeout <= 0:
-            raise ValueError("--timeout and --notebook-timeout must be positive")
-        if args.jobs < 1:
-            raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
-        if not solutions_dir.is_dir():
-            raise ValueError(f"solutions folder {solutions_dir} does not exist")
-        if args.json is not None and not args.json.resolve().parent.is_dir():
-            raise ValueError(f"folder of --json {args.json} does not exist")
-        paths = _collect(args.paths)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    grades = grade_notebooks(paths, solutions_dir=solutions_dir, cell_timeout=args.timeout,
-                             notebook_timeout=args.notebook_timeout, jobs=args.jobs,
-                             progress=True)
-    print(format_table(grades))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report(grades), indent=2, ensure_ascii=False) + "\n")
-    return 1 if any(g.grader_error for g in grades) else 0
+    """``python -m course_attn.grade``; see ``batch.main``."""
+    from .batch import main as batch_main
+    return batch_main(argv)

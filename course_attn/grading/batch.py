@@ -1,0 +1,452 @@
+"""Grading many notebooks at once, and the command ``python -m course_attn.grade``.
+
+A class: ``python -m course_attn.grade SUBMISSIONS_DIR --gradebook OUT`` grades every
+submission in worker processes (``--workers``, default one per CPU) and writes ``OUT.csv`` and
+``OUT.json``. In SUBMISSIONS_DIR,
+
+- a file is one student's submission, and its stem is the student's id (``alice.ipynb`` ->
+  ``alice``);
+- a folder is one student's (its name is the id) and may hold several chapters' notebooks,
+  ``*.ipynb`` at any depth (other files are ignored);
+- names that start with a dot are skipped, and so are the gradebook's own files.
+
+Every submission and every solution notebook is read into memory before the first kernel
+starts, so a submission cannot change what is graded after it; the package's files and the
+solutions are fingerprinted before and after, and a change is reported (``integrity`` in the
+JSON, a warning on stderr). When a student has several notebooks of one chapter, the best one
+counts and a note says so.
+
+``OUT.csv``: one row per student: ``student``, one column per exercise (``grade_id``, in chapter
+then notebook order, for every chapter that anyone submitted), ``total``, ``max``, ``notes``
+(missing chapters, files that are not notebooks, the grader's flags). A chapter a student did
+not submit scores 0. ``OUT.json``: everything, per student and per notebook (see
+``build_gradebook``).
+
+Without ``--gradebook``: ``python -m course_attn.grade PATH...`` grades notebooks (or the
+``*.ipynb`` of a folder) and prints a table; ``--json`` writes the report.
+"""
+
+import argparse
+import csv
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from jupyter_core.utils import run_sync
+from tqdm import tqdm
+
+from . import grader
+from .grader import Canonical, GradingOptions, NotebookGrade
+
+MAX_SUBMISSION_BYTES = 50 * 1024 * 1024
+WORKER_ATTEMPTS = 3  # a notebook whose worker process died is graded again, up to this often
+
+
+@dataclass
+class Submission:
+    """One submitted file, read into memory. ``problem``: why it could not be read."""
+
+    path: Path
+    student: str | None = None
+    data: bytes | None = None
+    problem: str | None = None
+    sha256: str | None = None
+
+
+def read_submission(path: Path, student: str | None = None) -> Submission:
+    """``path``'s bytes (at most MAX_SUBMISSION_BYTES) and their SHA-256."""
+    submission = Submission(path, student)
+    try:
+        size = path.stat().st_size
+        if size > MAX_SUBMISSION_BYTES:
+            submission.problem = (f"not graded: the file has {size:,} bytes, more than the "
+                                  f"{MAX_SUBMISSION_BYTES:,} a notebook may have")
+            return submission
+        submission.data = path.read_bytes()
+    except OSError as error:
+        submission.problem = f"could not read the file: {error.strerror or error}"
+        return submission
+    submission.sha256 = hashlib.sha256(submission.data).hexdigest()
+    return submission
+
+
+@dataclass
+class ClassSubmissions:
+    """What ``collect_class`` found: every student, their files, and notes about them."""
+
+    students: list[str]
+    submissions: list[Submission]
+    notes: dict[str, list[str]] = field(default_factory=dict)
+
+
+def collect_class(root: Path, skip: set[Path] = frozenset()) -> ClassSubmissions:
+    """Every student's submissions in ``root`` (see the module's docstring); ``skip``: resolved
+    paths that are not submissions (the gradebook's own files)."""
+    found = ClassSubmissions([], [])
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith(".") or entry.resolve() in skip:
+            continue
+        if entry.is_dir():
+            student = entry.name
+            notebooks = sorted(p for p in entry.rglob("*.ipynb") if p.is_file() and not any(
+                part.startswith(".") for part in p.relative_to(entry).parts))
+            if not notebooks:
+                found.notes.setdefault(student, []).append("no notebook (.ipynb) in the folder")
+            found.submissions.extend(read_submission(p, student) for p in notebooks)
+        else:
+            student = entry.stem
+            found.submissions.append(read_submission(entry, student))
+        if student not in found.students:
+            found.students.append(student)
+    found.students.sort()
+    return found
+
+
+_WORKER: dict = {}
+
+
+def _start_worker(canonicals: dict, options: GradingOptions, solutions_dir: str) -> None:
+    _WORKER.update(lookup=grader.lookup_in(canonicals, solutions_dir), options=options)
+
+
+def _grade_submission(submission: Submission) -> NotebookGrade:
+    return run_sync(grader.grade_data)(submission.path.name, submission.data, _WORKER["lookup"],
+                                       _WORKER["options"], read_problem=submission.problem,
+                                       path=str(submission.path))
+
+
+def _worker_died(submission: Submission) -> NotebookGrade:
+    return NotebookGrade(str(submission.path), error=f"the grader's worker process died "
+                                                     f"{WORKER_ATTEMPTS} times on this file",
+                         grader_error=True)
+
+
+def grade_files(submissions: list[Submission], canonicals: dict[str, Canonical | str],
+                options: GradingOptions, *, workers: int, solutions_dir: str = "solutions",
+                progress: bool = True) -> list[NotebookGrade]:
+    """Grade each submission, ``workers`` at a time in worker processes (in this process when
+    ``workers`` is 1), with a progress bar on stderr; in the order given."""
+    grades: list[NotebookGrade | None] = [None] * len(submissions)
+    bar = tqdm(total=len(submissions), unit="notebook", desc="grading", file=sys.stderr,
+               disable=not progress, mininterval=0.5)
+    try:
+        if workers <= 1 or len(submissions) <= 1:
+            _start_worker(canonicals, options, solutions_dir)
+            for i, submission in enumerate(submissions):
+                grades[i] = _grade_submission(submission)
+                bar.update(1)
+        else:
+            _grade_in_pool(submissions, canonicals, options, workers, solutions_dir, grades, bar)
+    finally:
+        bar.close()
+    return grades
+
+
+def _grade_in_pool(submissions, canonicals, options, workers, solutions_dir, grades, bar):
+    attempts = [0] * len(submissions)
+    pending = list(range(len(submissions)))
+    context = multiprocessing.get_context("spawn")  # no fork of a process holding zmq sockets
+    while pending:
+        pool = ProcessPoolExecutor(max_workers=min(workers, len(pending)), mp_context=context,
+                                   initializer=_start_worker,
+                                   initargs=(canonicals, options, solutions_dir))
+        try:
+            futures = {pool.submit(_grade_submission, submissions[i]): i for i in pending}
+            pending = []
+            while futures:
+                done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for future in done:
+                    i = futures.pop(future)
+                    try:
+                        grades[i] = future.result()
+                    except BrokenProcessPool:
+                        attempts[i] += 1
+                        if attempts[i] < WORKER_ATTEMPTS:
+                            pending.append(i)
+                            continue
+                        grades[i] = _worker_died(submissions[i])
+                    except Exception as error:  # a bug of the grader's: report it, go on
+                        grades[i] = NotebookGrade(str(submissions[i].path), error=str(error),
+                                                  grader_error=True)
+                    bar.set_postfix_str(submissions[i].student or submissions[i].path.name,
+                                        refresh=False)
+                    bar.update(1)
+        except BaseException:  # Ctrl-C: stop now rather than grade what is queued
+            processes = getattr(pool, "_processes", None)  # private, but the only handle on
+            processes = list(processes.values()) if isinstance(processes, dict) else []  # them
+            pool.shutdown(wait=False, cancel_futures=True)
+            for process in processes:
+                process.terminate()  # its kernel notices that its parent is gone, and exits
+            raise
+        pool.shutdown(wait=True)
+
+
+def fingerprint(paths: list[Path]) -> dict[str, str]:
+    """Path -> SHA-256 of its bytes ("missing" when it cannot be read)."""
+    prints = {}
+    for path in paths:
+        try:
+            prints[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError:
+            prints[str(path)] = "missing"
+    return prints
+
+
+def trusted_files(solutions_dir: Path, check_modules: tuple[str, ...] = ()) -> list[Path]:
+    """The files a grade depends on: the package's Python files, the solutions, and the files
+    of ``check_modules`` (where they can be found without importing them)."""
+    import importlib.util
+    package = Path(__file__).resolve().parents[1]
+    files = sorted(package.rglob("*.py")) + sorted(solutions_dir.glob("*.ipynb"))
+    for name in check_modules:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin and Path(spec.origin).is_file():
+            files.append(Path(spec.origin))
+    return files
+
+
+def _best_per_chapter(grades: list[NotebookGrade]) -> tuple[dict[str, NotebookGrade], list[str]]:
+    """Chapter -> the notebook that counts (the best total; the first of equals), and notes."""
+    by_chapter: dict[str, list[NotebookGrade]] = {}
+    for grade in grades:
+        if grade.chapter is not None and grade.exercises:
+            by_chapter.setdefault(grade.chapter, []).append(grade)
+    counted, notes = {}, []
+    for chapter, candidates in by_chapter.items():
+        best = max(candidates, key=lambda g: g.total)  # max keeps the first of equals
+        counted[chapter] = best
+        if len(candidates) > 1:
+            others = ", ".join(f"{Path(g.path).name} ({g.total:g})" for g in candidates
+                               if g is not best)
+            notes.append(f"{len(candidates)} notebooks for {chapter}: "
+                         f"{Path(best.path).name} ({best.total:g}) counts, not {others}")
+    return counted, notes
+
+
+def build_gradebook(found: ClassSubmissions, grades: list[NotebookGrade],
+                    canonicals: dict[str, Canonical | str], options: GradingOptions,
+                    seconds: float, integrity: list[str]) -> dict:
+    """The JSON gradebook: ``exercises`` (the columns), ``students`` (each with ``total``,
+    ``max``, ``scores`` by grade_id, ``notes``, and every ``notebooks`` entry with its
+    ``sha256``, ``counted``, exercises, points, reasons and flags), the options, and
+    ``integrity`` (trusted files that changed on disk while grading)."""
+    by_student: dict[str, list[tuple[Submission, NotebookGrade]]] = {s: [] for s in found.students}
+    for submission, grade in zip(found.submissions, grades):
+        by_student[submission.student].append((submission, grade))
+    chapters = sorted({g.chapter for g in grades
+                       if g.chapter is not None and isinstance(canonicals.get(g.chapter),
+                                                               Canonical)})
+    columns = [(chapter, e) for chapter in chapters for e in canonicals[chapter].exercises]
+    most = sum(e.points for _, e in columns)
+    students = []
+    for student in found.students:
+        entries = by_student[student]
+        counted, notes = _best_per_chapter([g for _, g in entries])
+        notes = list(found.notes.get(student, [])) + notes
+        scores = {}
+        for chapter, exercise in columns:
+            grade = counted.get(chapter)
+            score = next((e for e in grade.exercises if e.grade_id == exercise.grade_id), None) \
+                if grade else None
+            scores[exercise.grade_id] = score.points if score else 0
+        notes += [f"no notebook for {chapter}" for chapter in chapters if chapter not in counted]
+        notebooks = []
+        for submission, grade in entries:
+            name = submission.path.name
+            if grade.error:
+                notes.append(f"{name}: {grade.error}")
+            notes += [f"{name}: {flag}" for flag in grade.flags]
+            notebooks.append({**grade.to_dict(), "sha256": submission.sha256,
+                              "counted": counted.get(grade.chapter) is grade})
+        students.append({"student": student, "total": sum(scores.values()), "max": most,
+                         "scores": scores, "notes": notes, "notebooks": notebooks})
+    return {
+        "graded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(seconds, 1),
+        "options": {"cell_timeout_s": options.cell_timeout,
+                    "notebook_timeout_s": options.notebook_timeout,
+                    "memory_mb": options.memory_mb, "check_modules": list(options.check_modules)},
+        "exercises": [{"grade_id": e.grade_id, "chapter": chapter, "max_points": e.points}
+                      for chapter, e in columns],
+        "max": most,
+        "students": students,
+        "integrity": {"changed_during_grading": integrity},
+    }
+
+
+def gradebook_csv(book: dict) -> str:
+    """The CSV gradebook: one row per student (see the module's docstring)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    grade_ids = [e["grade_id"] for e in book["exercises"]]
+    writer.writerow(["student", *grade_ids, "total", "max", "notes"])
+    for student in book["students"]:
+        writer.writerow([student["student"], *(f"{student['scores'][g]:g}" for g in grade_ids),
+                         f"{student['total']:g}", f"{student['max']:g}",
+                         "; ".join(student["notes"])])
+    return out.getvalue()
+
+
+def gradebook_paths(out: Path) -> tuple[Path, Path]:
+    """``OUT`` -> (OUT.csv, OUT.json); a ``.csv`` or ``.json`` suffix on OUT is dropped."""
+    stem = out.with_suffix("") if out.suffix in (".csv", ".json") else out
+    return stem.with_name(stem.name + ".csv"), stem.with_name(stem.name + ".json")
+
+
+def grade_class(root: Path, out: Path, *, solutions_dir: Path, options: GradingOptions,
+                workers: int, progress: bool = True) -> dict:
+    """Grade every submission in ``root`` and write the CSV and JSON gradebooks of ``out``;
+    returns the JSON gradebook."""
+    started = time.monotonic()
+    csv_path, json_path = gradebook_paths(out)
+    found = collect_class(root, skip={csv_path.resolve(), json_path.resolve()})
+    trusted = trusted_files(solutions_dir, options.check_modules)
+    before = fingerprint(trusted)
+    canonicals = grader.load_canonicals(solutions_dir)
+    grades = grade_files(found.submissions, canonicals, options, workers=workers,
+                         solutions_dir=str(solutions_dir), progress=progress)
+    after = fingerprint(trusted)
+    changed = sorted(path for path in before.keys() | after.keys()
+                     if before.get(path) != after.get(path))
+    book = build_gradebook(found, grades, canonicals, options, time.monotonic() - started,
+                           changed)
+    csv_path.write_text(gradebook_csv(book), encoding="utf-8")
+    json_path.write_text(json.dumps(book, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    book["grader_errors"] = sum(g.grader_error for g in grades)
+    return book
+
+
+def format_class_table(book: dict) -> str:
+    rows = [("student", "points", "notes")]
+    rows += [(s["student"], f"{s['total']:g} / {s['max']:g}", str(len(s["notes"])) if s["notes"]
+              else "") for s in book["students"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    return "\n".join(f"{row[0].ljust(widths[0])}  {row[1].ljust(widths[1])}  {row[2]}".rstrip()
+                     for row in rows)
+
+
+def _collect(paths: list[str]) -> list[Path]:
+    found: list[Path] = []
+    for name in paths:
+        path = Path(name)
+        if path.is_dir():
+            notebooks = sorted(path.glob("*.ipynb"))
+            if not notebooks:
+                raise ValueError(f"no .ipynb file in folder {name}")
+            found.extend(notebooks)
+        elif path.exists():
+            found.append(path)
+        else:
+            raise ValueError(f"no such file or folder: {name}")
+    seen: set[Path] = set()
+    unique = []
+    for path in found:
+        if path.resolve() not in seen:
+            seen.add(path.resolve())
+            unique.append(path)
+    return unique
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m course_attn.grade",
+        description="Grade exercise notebooks: each runs in a fresh kernel, on a copy, with "
+                    "time and memory limits. With --gradebook, grade a whole class.")
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="a notebook, or a folder of notebooks (*.ipynb); with --gradebook, "
+                             "the one folder of submissions (a file or a folder per student)")
+    parser.add_argument("--gradebook", type=Path, metavar="OUT",
+                        help="grade the class in PATH and write OUT.csv and OUT.json")
+    parser.add_argument("--json", type=Path, metavar="REPORT.json",
+                        help="without --gradebook: also write a machine-readable report here")
+    parser.add_argument("--timeout", type=float, default=grader.CELL_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help=f"time limit per cell (default {grader.CELL_TIMEOUT_S:g})")
+    parser.add_argument("--notebook-timeout", type=float, default=grader.NOTEBOOK_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help=f"time limit per notebook (default {grader.NOTEBOOK_TIMEOUT_S:g})")
+    parser.add_argument("--memory-mb", type=int, default=grader.MEMORY_MB, metavar="MB",
+                        help="memory limit of each notebook's kernel, in MiB (RLIMIT_DATA; "
+                             f"default {grader.MEMORY_MB}; 0: none)")
+    parser.add_argument("--workers", "--jobs", type=int, default=os.cpu_count() or 1,
+                        metavar="N", help="grade N notebooks at a time, in worker processes "
+                                          "(default: one per CPU)")
+    parser.add_argument("--solutions", type=Path, metavar="DIR",
+                        help="folder of solution notebooks (default: ./solutions, else the "
+                             "repository's)")
+    parser.add_argument("--checks-module", action="append", default=[], metavar="MODULE",
+                        help="a module of exercise checks outside course_attn.grading, imported "
+                             "into every kernel before the submission's code (repeatable)")
+    return parser
+
+
+def _validate(args) -> None:
+    if args.timeout <= 0 or args.notebook_timeout <= 0:
+        raise ValueError("--timeout and --notebook-timeout must be positive")
+    if args.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    if args.memory_mb != 0 and args.memory_mb < 256:
+        raise ValueError(f"--memory-mb must be 0 (no limit) or at least 256, got "
+                         f"{args.memory_mb}: the kernel alone needs about 350 MB")
+    if not args.solutions.is_dir():
+        raise ValueError(f"solutions folder {args.solutions} does not exist")
+    if args.gradebook is not None:
+        if args.json is not None:
+            raise ValueError("--json is for single notebooks; --gradebook writes OUT.json")
+        if len(args.paths) != 1 or not Path(args.paths[0]).is_dir():
+            raise ValueError("--gradebook grades one folder of submissions: give exactly one "
+                             "folder")
+        if not args.gradebook.resolve().parent.is_dir():
+            raise ValueError(f"folder of --gradebook {args.gradebook} does not exist")
+    elif args.json is not None and not args.json.resolve().parent.is_dir():
+        raise ValueError(f"folder of --json {args.json} does not exist")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted: nothing was written", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    args.solutions = args.solutions or grader.default_solutions_dir()
+    try:
+        _validate(args)
+        paths = None if args.gradebook is not None else _collect(args.paths)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    options = GradingOptions(args.timeout, args.notebook_timeout, args.memory_mb,
+                             tuple(args.checks_module))
+    if args.gradebook is not None:
+        book = grade_class(Path(args.paths[0]), args.gradebook, solutions_dir=args.solutions,
+                           options=options, workers=args.workers)
+        print(format_class_table(book))
+        csv_path, json_path = gradebook_paths(args.gradebook)
+        print(f"{len(book['students'])} students graded in {book['seconds']:g} s; wrote "
+              f"{csv_path} and {json_path}")
+        for path in book["integrity"]["changed_during_grading"]:
+            print(f"warning: {path} changed on disk while grading; a submission may have "
+                  "written it: do not trust these grades", file=sys.stderr)
+        return 1 if book["grader_errors"] else 0
+    canonicals = grader.load_canonicals(args.solutions)
+    submissions = [read_submission(path) for path in paths]
+    grades = grade_files(submissions, canonicals, options, workers=args.workers,
+                         solutions_dir=str(args.solutions))
+    print(grader.format_table(grades))
+    if args.json is not None:
+        args.json.write_text(json.dumps(grader.report(grades), indent=2, ensure_ascii=False)
+                             + "\n")
+    return 1 if any(g.grader_error for g in grades) else 0
