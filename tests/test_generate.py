@@ -20,12 +20,15 @@ FIXTURES = ROOT / "tests" / "fixtures"
 FIXTURE = "99_fixture.ipynb"
 
 
-def nbgrader(gid, *, solution=False, grade=False, locked=False, points=None):
-    meta = {"schema_version": 3, "grade": grade, "solution": solution, "locked": locked,
-            "grade_id": gid}
-    if points is not None:
-        meta["points"] = points
-    return {"nbgrader": meta}
+def _load_make_fixtures():
+    spec = importlib.util.spec_from_file_location("make_fixtures", FIXTURES / "make_fixtures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_fixtures = _load_make_fixtures()
+nbgrader = make_fixtures.nbgrader  # the nbgrader cell metadata the fixtures are built with
 
 
 def solution_cell(source, gid="ex-solution", **metadata):
@@ -47,9 +50,6 @@ def test_fixture_solution_becomes_the_expected_exercise(tmp_path):
 
 
 def test_committed_fixtures_are_what_their_script_builds():
-    spec = importlib.util.spec_from_file_location("make_fixtures", FIXTURES / "make_fixtures.py")
-    make_fixtures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_fixtures)
     for folder, exercise in (("solutions", False), ("exercises", True)):
         committed = (FIXTURES / folder / FIXTURE).read_text(encoding="utf-8")
         assert notebook_text(make_fixtures.build(exercise)) == committed, folder
