@@ -1,5 +1,11 @@
-"""Exercises: checks for notebooks, generating exercises from solutions, and grading."""
+"""Exercises: what each one is (``exercise.py``, one module per chapter), the in-notebook
+``check()``, generating exercise notebooks from solutions, and grading across a process
+boundary (``grader.py``)."""
 
-from .registry import Case, ExerciseFailed, assert_close, check, exercise, exercises, run_checks
+from .cases import expect_float_list, expect_number, expect_tensor
+from .check import ExerciseFailed, check, run_exercise
+from .exercise import Case, Exercise, Mistake, all_exercises, get, register
 
-__all__ = ["Case", "ExerciseFailed", "assert_close", "check", "exercise", "exercises", "run_checks"]
+__all__ = ["Case", "Exercise", "ExerciseFailed", "Mistake", "all_exercises", "check",
+           "expect_float_list", "expect_number", "expect_tensor", "get", "register",
+           "run_exercise"]

@@ -1,4 +1,4 @@
-"""Checks for the exercises of chapter 3, masking.
+"""Exercises of Chapter 3, masking.
 
     ch03.causal_mask        causal_mask(tq, tk) -> bool (Tq, Tk), bottom-right aligned
     ch03.padding_mask       padding_mask(lengths (B,), t) -> bool (B, 1, 1, T), True on real tokens
@@ -6,142 +6,382 @@
                             softmax(q kᵀ/√D, forbidden keys removed) v, with q (B, H, Tq, D),
                             k (B, H, Tk, D), v (B, H, Tk, Dv), a bool mask broadcastable to
                             (B, H, Tq, Tk); a row with no allowed key gives zeros
+    ch03.document_mask      document_mask(doc_ids (B, T)) -> bool (B, 1, T, T): documents packed
+                            in one sequence, causal inside each, nothing across; -1 is padding
+    ch03.fp16_fill          fp16_fill() -> dict: predictions of what float16 does to a fill
+                            value (predict: compared with what PyTorch computes)
 
-Every expected value comes from the package (``course_attn.causal_mask``,
-``course_attn.padding_mask``, ``course_attn.scaled_dot_product_attention``); inputs are seeded, so
-a student sees the same cases on every run.
+References: ``course_attn.causal_mask``, ``course_attn.padding_mask`` and
+``course_attn.scaled_dot_product_attention``; the document mask from ``causal_mask``; the fp16
+predictions computed by PyTorch.
 """
+
+import math
 
 import torch
 
 from ..attention import scaled_dot_product_attention
 from ..masks import causal_mask, padding_mask
-from .registry import Case, assert_close, exercise
+from .cases import expect_tensor, randn, random_mask
+from .exercise import Case, Exercise, Mistake, register
+from .ch01 import NO_LIBRARY_ATTENTION
+from .ch02 import expect_tensor_same_nan
+
+NO_LIBRARY_MASKS = ("course_attn", "torch.nn.attention.bias.causal_lower_right",
+                    "torch.nn.attention.bias.causal_upper_left",
+                    "torch.nn.attention.bias.CausalBias.__init__")
 
 
-def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Standard normal numbers of ``shape``, the same for a given seed on every machine."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
-
-
-def _random_mask(*shape: int, seed: int, p_keep: float = 0.6) -> torch.Tensor:
-    """A seeded bool mask of ``shape``, True with probability ``p_keep``."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.rand(*shape, generator=generator) < p_keep
-
-
-def _assert_tensor(actual, dtype: torch.dtype, shape: tuple, what: str) -> None:
-    if not isinstance(actual, torch.Tensor):
-        raise AssertionError(f"{what} should be a torch.Tensor, got {type(actual).__name__}")
-    if tuple(actual.shape) != tuple(shape):
-        raise AssertionError(f"{what} has shape {tuple(actual.shape)}, expected {tuple(shape)}")
-    if actual.dtype != dtype:
-        raise AssertionError(f"{what} has dtype {actual.dtype}, expected {dtype}")
-
-
-@exercise("ch03.causal_mask")
-def _(fn):
-    def same_mask(tq, tk):
-        what = f"causal_mask({tq}, {tk})"
-        return lambda: assert_close(fn(tq, tk), causal_mask(tq, tk), what=what)
-
-    yield Case("square, Tq=Tk=4", same_mask(4, 4),
+def _causal_cases():
+    yield Case("square, Tq=Tk=4", (4, 4),
                hint="query i may attend to keys 0..i: True on and below the diagonal")
-
-    yield Case("Tq=Tk=1", same_mask(1, 1), hint="a single query may attend to its own key")
-
-    yield Case("fewer queries than keys, Tq=3, Tk=6", same_mask(3, 6),
+    yield Case("Tq=Tk=1", (1, 1), hint="a single query may attend to its own key")
+    yield Case("fewer queries than keys, Tq=3, Tk=6", (3, 6),
                hint="bottom-right: query i sits at position Tk - Tq + i, so the last query "
                     "sees every key")
-
-    yield Case("one new query, many cached keys, Tq=1, Tk=5", same_mask(1, 5),
+    yield Case("one new query, many cached keys, Tq=1, Tk=5", (1, 5),
                hint="a single query is the last position: it may attend to all Tk keys")
-
-    yield Case("more queries than keys, Tq=5, Tk=3", same_mask(5, 3),
+    yield Case("more queries than keys, Tq=5, Tk=3", (5, 3),
                hint="the first Tq - Tk queries sit before every key: their rows are all False")
 
-    def dtype_and_shape():
-        _assert_tensor(fn(2, 7), torch.bool, (2, 7), "causal_mask(2, 7)")
-    yield Case("returns a bool tensor of shape (Tq, Tk)", dtype_and_shape,
-               hint="compare positions with >= (or <=) to get bools, not 0/1 numbers")
+
+register(Exercise(
+    key="ch03.causal_mask", function="causal_mask", reference=causal_mask,
+    cases=_causal_cases, compare=expect_tensor, banned=NO_LIBRARY_MASKS,
+    mistakes=(
+        Mistake("your mask is aligned top-left (query i sees keys 0..i, PyTorch's is_causal); "
+                "here query i sits at position Tk - Tq + i",
+                lambda tq, tk: causal_mask(tq, tk, align="top_left")),
+        Mistake("your mask is the wrong triangle: True must be on and below the diagonal (keys "
+                "not after the query)",
+                lambda tq, tk: causal_mask(tq, tk).flip(0).flip(1)),
+        Mistake("your mask leaves out the diagonal: a query may attend to its own position",
+                lambda tq, tk: torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq - 1)),
+        Mistake("your mask is True where the query may NOT attend (nn.MultiheadAttention's "
+                "convention); here True means may attend",
+                lambda tq, tk: ~causal_mask(tq, tk)),
+        Mistake("your mask holds 0/1 numbers: compare positions to get a bool tensor",
+                lambda tq, tk: causal_mask(tq, tk).long()),
+        Mistake("your mask holds 0/1 numbers: compare positions to get a bool tensor",
+                lambda tq, tk: causal_mask(tq, tk).float()),
+        Mistake("your mask is an additive float mask (0 / -inf): return a bool mask, True where "
+                "the query may attend",
+                lambda tq, tk: torch.zeros(tq, tk).masked_fill(~causal_mask(tq, tk),
+                                                                float("-inf"))),
+    ),
+))
 
 
-@exercise("ch03.padding_mask")
-def _(fn):
-    def same_mask(lengths, t):
-        what = f"padding_mask(torch.tensor({lengths}), {t})"
-        return lambda: assert_close(fn(torch.tensor(lengths), t),
-                                    padding_mask(torch.tensor(lengths), t), what=what)
-
-    yield Case("lengths [3, 1, 4], T=5", same_mask([3, 1, 4], 5),
+def _padding_cases():
+    yield Case("lengths [3, 1, 4], T=5", (torch.tensor([3, 1, 4]), 5),
                hint="key j of sequence b is a real token exactly when j < lengths[b]")
-
-    yield Case("a length of 0 and a length of T", same_mask([0, 6, 2], 6),
+    yield Case("a length of 0 and a length of T", (torch.tensor([0, 6, 2]), 6),
                hint="length 0 masks every key of that sequence; length T masks none")
-
-    yield Case("B=1, T=1", same_mask([1], 1), hint="one sequence of one real token: all True")
-
+    yield Case("B=1, T=1", (torch.tensor([1]), 1), hint="one sequence of one real token: all True")
     generator = torch.Generator().manual_seed(3)
-    lengths = torch.randint(0, 11, (8,), generator=generator).tolist()
-    yield Case("8 random lengths in [0, 10], T=10", same_mask(lengths, 10),
+    yield Case("8 random lengths in [0, 10], T=10",
+               (torch.randint(0, 11, (8,), generator=generator), 10),
                hint="build one row of positions 0..T-1 and compare it with every length at once")
 
-    def dtype_and_shape():
-        _assert_tensor(fn(torch.tensor([2, 4]), 4), torch.bool, (2, 1, 1, 4),
-                       "padding_mask(torch.tensor([2, 4]), 4)")
-    yield Case("returns bool of shape (B, 1, 1, T)", dtype_and_shape,
-               hint="add two axes of size 1 in the middle so the mask broadcasts over heads and "
-                    "queries")
+
+register(Exercise(
+    key="ch03.padding_mask", function="padding_mask", reference=padding_mask,
+    cases=_padding_cases, compare=expect_tensor, banned=("course_attn",),
+    mistakes=(
+        Mistake("your mask has shape (B, T): add the two axes of size 1 in the middle, "
+                "(B, 1, 1, T), so it broadcasts over heads and queries",
+                lambda lengths, t: padding_mask(lengths, t)[:, 0, 0, :]),
+        Mistake("your mask is True on the padding: True must mark the real tokens (j < length)",
+                lambda lengths, t: ~padding_mask(lengths, t)),
+        Mistake("off by one: key j is real when j < lengths[b], not j <= lengths[b]",
+                lambda lengths, t: (torch.arange(t)[None, :] <= lengths[:, None])[:, None, None]),
+        Mistake("off by one: key j is real when j < lengths[b], not j < lengths[b] - 1",
+                lambda lengths, t: (torch.arange(t)[None, :] < lengths[:, None] - 1)
+                [:, None, None]),
+        Mistake("your mask has shape (B, 1, T, 1): it hides queries; a padding mask hides keys, "
+                "the last axis, (B, 1, 1, T)",
+                lambda lengths, t: padding_mask(lengths, t).transpose(-2, -1)),
+    ),
+))
 
 
-@exercise("ch03.masked_attention")
-def _(fn):
-    def same_output(q, k, v, mask, what):
-        def run():
-            out = fn(q.clone(), k.clone(), v.clone(), mask.clone())
-            shape = (*q.shape[:-1], v.shape[-1])
-            _assert_tensor(out, q.dtype, shape, what)
-            assert_close(out, scaled_dot_product_attention(q, k, v, attn_mask=mask), what=what)
-        return run
+def _scores(q, k):
+    return (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
 
-    q, k, v = _randn(2, 3, 5, 8, seed=30), _randn(2, 3, 5, 8, seed=31), _randn(2, 3, 5, 8, seed=32)
-    yield Case("causal (T, T) mask, B=2, H=3, T=5, D=8",
-               same_output(q, k, v, causal_mask(5), "masked_attention(q, k, v, causal mask)"),
+
+def _minus_1e9_attention(q, k, v, mask):
+    return torch.softmax(_scores(q, k).masked_fill(~mask, -1e9), dim=-1) @ v
+
+
+def _added_bool_attention(q, k, v, mask):
+    return torch.softmax(_scores(q, k) + mask.to(q.dtype), dim=-1) @ v
+
+
+def _masked_after_softmax(q, k, v, mask):
+    return (torch.softmax(_scores(q, k), dim=-1) * mask) @ v
+
+
+def _masked_cases():
+    q, k, v = randn(2, 3, 5, 8, seed=30), randn(2, 3, 5, 8, seed=31), randn(2, 3, 5, 8, seed=32)
+    yield Case("causal (T, T) mask, B=2, H=3, T=5, D=8", (q, k, v, causal_mask(5)),
                hint="scores = q kᵀ / sqrt(D); put -inf where the mask is False, then softmax")
-
-    mask = padding_mask(torch.tensor([5, 3]), 5)
     yield Case("padding mask (B, 1, 1, T), lengths [5, 3]",
-               same_output(q, k, v, mask, "masked_attention(q, k, v, padding mask)"),
+               (q, k, v, padding_mask(torch.tensor([5, 3]), 5)),
                hint="the mask broadcasts against the scores (B, H, Tq, Tk); masked_fill does that")
-
-    mask = padding_mask(torch.tensor([0, 4]), 5)
     yield Case("a sequence of length 0: fully masked rows give zeros, not NaN",
-               same_output(q, k, v, mask, "masked_attention(q, k, v, mask with a length-0 row)"),
-               hint="a row of all -inf gives 0/0 = NaN in softmax; a query with no allowed key "
-                    "must output zeros")
-
-    q, k, v = _randn(2, 2, 6, 8, seed=33), _randn(2, 2, 4, 8, seed=34), _randn(2, 2, 4, 3, seed=35)
-    mask = _random_mask(2, 1, 6, 4, seed=36)
+               (q, k, v, padding_mask(torch.tensor([0, 4]), 5)),
+               hint="a query with no allowed key must output zeros")
+    q, k, v = randn(2, 2, 6, 8, seed=33), randn(2, 2, 4, 8, seed=34), randn(2, 2, 4, 3, seed=35)
+    mask = random_mask(2, 1, 6, 4, seed=36)
     mask[0, 0, 2] = False
     mask[1, 0, 5] = False
-    yield Case("Tq=6 != Tk=4, Dv=3, random mask with dead rows",
-               same_output(q, k, v, mask, "masked_attention(q, k, v) with Tq=6, Tk=4, Dv=3"),
-               hint="some rows allow no key (they must be zeros); transpose only k's last two "
-                    "axes; the output's last size is v's, Dv")
-
-    q, k, v = _randn(1, 1, 1, 4, seed=37), _randn(1, 1, 1, 4, seed=38), _randn(1, 1, 1, 4, seed=39)
-    yield Case("T=1", same_output(q, k, v, torch.ones(1, 1, dtype=torch.bool),
-                                  "masked_attention(q, k, v) with T=1"),
+    yield Case("Tq=6 != Tk=4, Dv=3, random mask with dead rows", (q, k, v, mask),
+               hint="transpose only k's last two axes; the output's last size is v's, Dv")
+    yield Case("T=1", (*(randn(1, 1, 1, 4, seed=s) for s in (37, 38, 39)),
+                       torch.ones(1, 1, dtype=torch.bool)),
                hint="one query, one allowed key: the output is that key's value")
-
-    q, k, v = (_randn(1, 2, 6, 16, seed=s) * 10 for s in (40, 41, 42))
     yield Case("large scores (|q kᵀ/√D| in the hundreds)",
-               same_output(q, k, v, causal_mask(6), "masked_attention(q, k, v) with large scores"),
+               (*(randn(1, 2, 6, 16, seed=s, scale=10.0) for s in (40, 41, 42)), causal_mask(6)),
                hint="exp overflows for large scores: subtract each row's maximum before exp")
-
-    q, k, v = (_randn(2, 2, 5, 8, seed=s, dtype=torch.float64) for s in (43, 44, 45))
-    mask = causal_mask(5) & padding_mask(torch.tensor([5, 2]), 5)
     yield Case("float64 in, float64 out, causal & padding",
-               same_output(q, k, v, mask, "masked_attention(q, k, v) in float64"),
+               (*(randn(2, 2, 5, 8, seed=s, dtype=torch.float64) for s in (43, 44, 45)),
+                causal_mask(5) & padding_mask(torch.tensor([5, 2]), 5)),
                hint="do not convert the inputs; let their dtype flow through")
+
+
+register(Exercise(
+    key="ch03.masked_attention", function="masked_attention",
+    reference=lambda q, k, v, mask: scaled_dot_product_attention(q, k, v, attn_mask=mask),
+    cases=_masked_cases, compare=expect_tensor_same_nan, banned=NO_LIBRARY_ATTENTION,
+    mistakes=(
+        Mistake("a query that may attend to no key gets the mean of the values: filling "
+                "forbidden scores with a large finite number (-1e9, finfo.min) makes such a row "
+                "uniform, where zeros are due", _minus_1e9_attention),
+        Mistake("a query that may attend to no key gives NaN: softmax of a row of -inf is 0/0; "
+                "set such rows to zero",
+                lambda q, k, v, mask: torch.softmax(
+                    (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).masked_fill(
+                        ~mask, float("-inf")), dim=-1) @ v),
+        Mistake("you mask where the mask is True: True means the query may attend",
+                lambda q, k, v, mask: scaled_dot_product_attention(q, k, v, attn_mask=~mask)),
+        Mistake("you did not scale the scores by 1/sqrt(D)",
+                lambda q, k, v, mask: scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                   scale=1.0)),
+        Mistake("you added the bool mask to the scores as numbers (0/1): that only nudges the "
+                "allowed keys up; forbidden scores must become -inf", _added_bool_attention),
+        Mistake("you zeroed the forbidden weights after the softmax: the allowed weights then "
+                "sum to less than 1; remove the forbidden scores before the softmax",
+                _masked_after_softmax),
+    ),
+))
+
+
+# --- ch03.document_mask: several documents packed into one sequence ----------------------------
+
+def document_mask_reference(doc_ids):
+    """(B, T) document ids, -1 on padding -> bool (B, 1, T, T): query i may attend to key j when
+    both are in the same document (not padding) and j <= i."""
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]                  # (B, T, T)
+    real = (doc_ids >= 0)[:, :, None]
+    return (same & real & causal_mask(doc_ids.shape[-1], device=doc_ids.device))[:, None]
+
+
+def _documents(*lengths, pad=0, dtype=torch.long):
+    """A row of ids: document n repeated lengths[n] times, then ``pad`` positions of -1."""
+    ids = [n for n, length in enumerate(lengths) for _ in range(length)] + [-1] * pad
+    return torch.tensor(ids, dtype=dtype)
+
+
+def _document_cases():
+    yield Case("three documents of lengths 3, 2, 3", (_documents(3, 2, 3)[None],),
+               hint="query i may attend to key j when doc_ids[i] == doc_ids[j] and j <= i: a "
+                    "causal mask inside each document, nothing across documents")
+    yield Case("B=2, packed differently", (torch.stack([_documents(1, 4, 2), _documents(5, 2)]),),
+               hint="compare every position's id with every other position's id in its own row: "
+                    "doc_ids[:, :, None] == doc_ids[:, None, :] gives (B, T, T)")
+    yield Case("documents of length 1 attend only to themselves", (_documents(1, 1, 3, 1)[None],),
+               hint="a document of one token: its query sees its own key and nothing else")
+    yield Case("one document fills the sequence: the causal mask",
+               (torch.zeros(1, 6, dtype=torch.long),),
+               hint="with a single document the mask is the causal mask, (1, 1, T, T)")
+    yield Case("padding (-1) at the end attends to nothing and is never attended to",
+               (torch.stack([_documents(2, 3, pad=2), _documents(4, 1, 2)]),),
+               hint="-1 marks a position that is in no document: its row and its column are all "
+                    "False, even though -1 == -1")
+    yield Case("ids that are not 0, 1, 2 (7, 3, 12), int32",
+               (torch.tensor([[7, 7, 3, 3, 3, 12, 12]], dtype=torch.int32),),
+               hint="only equality of ids matters, not their values or their order")
+    yield Case("T=1", (torch.tensor([[5]]),), hint="a single token attends to itself")
+
+
+def _document_mistake(rule):
+    """A typical mistake: ``rule(ids, causal)`` with ids (B, T, 1) and (B, 1, T), -> (B, 1, T, T)."""
+    def fn(doc_ids):
+        causal = causal_mask(doc_ids.shape[-1])
+        return rule(doc_ids[:, :, None], doc_ids[:, None, :], causal)[:, None]
+    return fn
+
+
+register(Exercise(
+    key="ch03.document_mask", function="document_mask", reference=document_mask_reference,
+    cases=_document_cases, compare=expect_tensor, banned=NO_LIBRARY_MASKS,
+    mistakes=(
+        Mistake("your mask lets a query see the earlier documents of the pack (it is only "
+                "causal): a key must also be in the query's own document",
+                _document_mistake(lambda qi, kj, causal: causal.expand(
+                    qi.shape[0], *causal.shape) & (qi >= 0) & (kj >= 0))),
+        Mistake("your mask lets a query see the later tokens of its own document: inside a "
+                "document it must be causal too (j <= i)",
+                _document_mistake(lambda qi, kj, causal: (qi == kj) & (qi >= 0))),
+        Mistake("your mask lets padding positions (id -1) attend to each other: -1 means no "
+                "document, so equal ids are not enough",
+                _document_mistake(lambda qi, kj, causal: (qi == kj) & causal)),
+        Mistake("your mask leaves out the diagonal: a token may attend to itself",
+                _document_mistake(lambda qi, kj, causal: (qi == kj) & (qi >= 0) &
+                                  causal.tril(-1))),
+        Mistake("your mask is True where attention is forbidden: True means may attend",
+                lambda doc_ids: ~document_mask_reference(doc_ids)),
+        Mistake("your mask has shape (B, T, T): add the head axis, (B, 1, T, T), so that it "
+                "broadcasts over the heads",
+                lambda doc_ids: document_mask_reference(doc_ids)[:, 0]),
+    ),
+))
+
+
+# --- ch03.fp16_fill: predict what float16 does to a fill value ---------------------------------
+
+FP16_QUESTIONS = {
+    # key: (case name, hint of the case)
+    "minus_1e9_in_fp16": (
+        "(a) torch.tensor(-1e9).half()",
+        "float16's largest magnitude is 65504; a cast rounds to the nearest float16, and past the "
+        "largest finite number the nearest is infinite"),
+    "masked_fill_fp16": (
+        "(b) scores.half().masked_fill(~allowed, -1e9)",
+        "masked_fill checks that its value fits the tensor's dtype before it writes anything"),
+    "dead_row_fp16_minus_1e9": (
+        "(c) a fully masked row in float16, fill -1e9",
+        "work out the fill in float16 first, then what torch.softmax does with a row of those "
+        "numbers (torch.softmax, not course_attn.softmax)"),
+    "dead_row_fp16_min": (
+        "(d) a fully masked row in float16, fill finfo(float16).min",
+        "near -65504, float16 numbers are 32 apart: min + s rounds to the nearest one of them, "
+        "or past the end of the range"),
+    "dead_row_fp32_minus_1e9": (
+        "(e) a fully masked row in float32, fill -1e9",
+        "near -1e9, float32 numbers are 64 apart: -1e9 + s rounds to the nearest one of them"),
+}
+_FP16_KEY_OF_CASE = {name: key for key, (name, _) in FP16_QUESTIONS.items()}
+NAN = float("nan")
+
+
+def fp16_fill_reference():
+    """What PyTorch (on the CPU) gives for each question of the exercise, computed, not typed."""
+    scores = torch.tensor([-10.0, 5.0, -20.0, 2.0])
+    allowed = torch.tensor([True, False, True, True])
+    try:
+        masked = scores.half().masked_fill(~allowed, -1e9).tolist()
+    except RuntimeError:
+        masked = "error"
+    fill16 = torch.tensor(-1e9).half()
+    return {
+        "minus_1e9_in_fp16": fill16.item(),
+        "masked_fill_fp16": masked,
+        "dead_row_fp16_minus_1e9": torch.softmax(scores.half() + fill16, dim=-1).tolist(),
+        "dead_row_fp16_min": torch.softmax(scores.half() + torch.finfo(torch.float16).min,
+                                           dim=-1).tolist(),
+        "dead_row_fp32_minus_1e9": torch.softmax(scores + -1e9, dim=-1).tolist(),
+    }
+
+
+def _same_prediction(actual, expected) -> bool:
+    """A float (inf and NaN allowed), a string, or a list of floats, equal within 1e-3."""
+    if isinstance(expected, str):
+        return isinstance(actual, str) and expected in actual.strip().lower()
+    if isinstance(expected, (int, float)):
+        if isinstance(actual, torch.Tensor) and actual.numel() == 1:
+            actual = actual.item()
+        if isinstance(actual, bool) or not isinstance(actual, (int, float)):
+            return False
+        if math.isnan(expected) or math.isnan(actual):
+            return math.isnan(expected) and math.isnan(actual)
+        return math.isclose(actual, expected, rel_tol=1e-3, abs_tol=1e-3)
+    if isinstance(actual, torch.Tensor):
+        actual = actual.tolist()
+    return isinstance(actual, (list, tuple)) and len(actual) == len(expected) and \
+        all(_same_prediction(a, e) for a, e in zip(actual, expected))
+
+
+def expect_predictions(actual, expected, case=None):
+    """``actual`` is a dict of predictions; with a case, the one prediction that the case asks
+    about must equal the expected one; without (matching a typical mistake), every prediction
+    that ``expected`` holds. Says which prediction is wrong, never what is right."""
+    if not isinstance(actual, dict):
+        raise AssertionError(f"your function should return a dict with the keys "
+                             f"{list(FP16_QUESTIONS)}, got {type(actual).__name__}")
+    keys = [_FP16_KEY_OF_CASE[case.name]] if case is not None and \
+        case.name in _FP16_KEY_OF_CASE else list(expected)
+    for key in keys:
+        if key not in actual:
+            raise AssertionError(f"your dict has no key {key!r}")
+        if not _same_prediction(actual[key], expected[key]):
+            raise AssertionError(f"your prediction {key!r} is not what PyTorch gives")
+
+
+def _fp16_cases():
+    for key, (name, hint) in FP16_QUESTIONS.items():
+        yield Case(name, hint=hint)
+
+
+def _predicting(**wrong):
+    """A typical wrong prediction: the right answers with these ones changed."""
+    return lambda: {**fp16_fill_reference(), **wrong}
+
+
+register(Exercise(
+    key="ch03.fp16_fill", function="fp16_fill", reference=fp16_fill_reference,
+    cases=_fp16_cases, compare=expect_predictions,
+    # A prediction, not a computation: no tensors inside the function.
+    banned=("course_attn", "torch.tensor", "torch.as_tensor", "torch.full", "torch.Tensor.half",
+            "torch.Tensor.to", "torch.Tensor.masked_fill", "torch.softmax",
+            "torch.Tensor.softmax", "torch.nn.functional.softmax"),
+    mistakes=(
+        Mistake("you assumed -1e9 survives the cast to float16: float16 stops at 65504, and a "
+                "cast past it rounds to -inf",
+                _predicting(minus_1e9_in_fp16=-1e9, dead_row_fp16_minus_1e9=[0.25] * 4)),
+        Mistake("you assumed -1e9 survives the cast to float16: float16 stops at 65504, and a "
+                "cast past it rounds to -inf", _predicting(minus_1e9_in_fp16=-1e9)),
+        Mistake("you assumed a cast saturates at float16's most negative number, -65504: out "
+                "of range, it rounds to -inf", _predicting(minus_1e9_in_fp16=-65504.0)),
+        Mistake("you assumed masked_fill rounds -1e9 as a cast does: it refuses a value that "
+                "does not fit the dtype (RuntimeError) and writes nothing",
+                _predicting(masked_fill_fp16=[-10.0, -math.inf, -20.0, 2.0])),
+        Mistake("you assumed masked_fill rounds -1e9 as a cast does: it refuses a value that "
+                "does not fit the dtype (RuntimeError) and writes nothing",
+                _predicting(masked_fill_fp16=[-10.0, -65504.0, -20.0, 2.0])),
+        Mistake("zeros for a fully masked row is what course_attn's guarded softmax gives; "
+                "torch.softmax of a row of -inf computes 0/0 = NaN",
+                _predicting(dead_row_fp16_minus_1e9=[0.0] * 4)),
+        Mistake("you assumed the fill leaves a uniform row, as in float32; in float16 -1e9 "
+                "became -inf, and torch.softmax of a row of -inf is 0/0 = NaN",
+                _predicting(dead_row_fp16_minus_1e9=[0.25] * 4)),
+        Mistake("you assumed every min + s rounds back to min (a uniform row): float16 numbers "
+                "near -65504 are 32 apart, so min + s overflows to -inf once s <= -16",
+                _predicting(dead_row_fp16_min=[0.25] * 4)),
+        Mistake("you assumed adding the same fill to every score changes nothing (true in exact "
+                "arithmetic): in float16 each min + s rounds to min or to -inf",
+                _predicting(dead_row_fp16_min=torch.softmax(
+                    torch.tensor([-10.0, 5.0, -20.0, 2.0]), dim=-1).tolist())),
+        Mistake("you assumed adding the same fill to every score changes nothing (true in exact "
+                "arithmetic): in float32 each -1e9 + s rounds back to -1e9, as float32 numbers "
+                "near 1e9 are 64 apart, so the row is uniform",
+                _predicting(dead_row_fp32_minus_1e9=torch.softmax(
+                    torch.tensor([-10.0, 5.0, -20.0, 2.0]), dim=-1).tolist())),
+        Mistake("-1e9 is finite in float32, so the row's maximum is finite and nothing is 0/0: "
+                "the row is not NaN (nor zeros)",
+                _predicting(dead_row_fp32_minus_1e9=[NAN] * 4)),
+        Mistake("-1e9 is finite in float32, so the row's maximum is finite and nothing is 0/0: "
+                "the row is not NaN (nor zeros)",
+                _predicting(dead_row_fp32_minus_1e9=[0.0] * 4)),
+    ),
+))

@@ -1,0 +1,118 @@
+"""Helpers that every chapter's exercises share: seeded inputs, and comparisons that explain a
+wrong answer to a student (each raises AssertionError with the message)."""
+
+import math
+
+import torch
+
+
+def randn(*shape: int, seed: int | torch.Generator, dtype: torch.dtype = torch.float32,
+          scale: float = 1.0) -> torch.Tensor:
+    """Standard normal numbers of ``shape`` (times ``scale``), the same for a seed on every
+    machine (drawn in float64 on the CPU, then cast)."""
+    generator = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
+
+
+def random_mask(*shape: int, seed: int | torch.Generator, p_keep: float = 0.6) -> torch.Tensor:
+    """A bool mask of ``shape``, True with probability ``p_keep``."""
+    generator = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    return torch.rand(*shape, generator=generator) < p_keep
+
+
+def randint(low: int, high: int, seed: torch.Generator) -> int:
+    """An int in [low, high] drawn from ``seed``."""
+    return int(torch.randint(low, high + 1, (), generator=seed))
+
+
+# (rtol, atol) by dtype: torch.testing.assert_close's defaults.
+TOLERANCES = {
+    torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
+    torch.float64: (1e-7, 1e-7), torch.complex64: (1.3e-6, 1e-5), torch.complex128: (1e-7, 1e-7),
+}
+
+
+def _what(case) -> str:
+    return getattr(case, "name", None) or "the result"
+
+
+def expect_tensor(actual, expected: torch.Tensor, case=None, *, rtol: float | None = None,
+                  atol: float | None = None) -> None:
+    """``actual`` is a tensor of ``expected``'s shape, dtype and device, close to it (exactly
+    equal for bool and integer tensors)."""
+    what = "your result"
+    if not isinstance(actual, torch.Tensor):
+        raise AssertionError(f"{what} should be a torch.Tensor, got {type(actual).__name__}")
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise AssertionError(f"{what} has shape {tuple(actual.shape)}, expected "
+                             f"{tuple(expected.shape)}")
+    if actual.dtype != expected.dtype:
+        raise AssertionError(f"{what} has dtype {actual.dtype}, expected {expected.dtype}")
+    device = getattr(actual, "grading_device", str(actual.device))
+    if device != str(expected.device):
+        raise AssertionError(f"{what} is on {device}, expected {expected.device}")
+    if not (expected.is_floating_point() or expected.is_complex()):
+        wrong = int((actual != expected).sum())
+        if wrong:
+            raise AssertionError(f"{what}: {wrong} of {expected.numel()} entries differ")
+        return
+    default_rtol, default_atol = TOLERANCES.get(expected.dtype, (0.0, 0.0))
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    if not torch.isclose(actual, expected, rtol=rtol, atol=atol).all():
+        diff = (actual - expected).abs()
+        worst = diff.nan_to_num(float("inf")).max().item() if diff.numel() else 0.0
+        nan = " (it contains NaN)" if actual.isnan().any().item() else ""
+        raise AssertionError(f"{what} differs from the expected one: largest error "
+                             f"{worst:.3g}{nan}")
+
+
+def expect_close_tensor(rtol: float, atol: float):
+    """``expect_tensor`` with these tolerances (for an answer computed another, valid way)."""
+    def compare(actual, expected, case=None):
+        expect_tensor(actual, expected, case, rtol=rtol, atol=atol)
+    return compare
+
+
+def expect_float_list(actual, expected: list, case=None, *, rtol: float = 1e-7,
+                      atol: float = 1e-9) -> None:
+    """``actual`` is a list of Python floats, as long as ``expected`` and close to it."""
+    if not isinstance(actual, list):
+        raise AssertionError(f"your result should be a list, got {type(actual).__name__}")
+    if len(actual) != len(expected):
+        raise AssertionError(f"your list has {len(actual)} entries, expected {len(expected)}")
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if isinstance(a, bool) or not isinstance(a, (int, float)):
+            raise AssertionError(f"entry {i} should be a Python float, got {type(a).__name__}")
+        if not math.isclose(a, e, rel_tol=rtol, abs_tol=atol):
+            raise AssertionError(f"entry {i} is {a:.6g}, expected {e:.6g}")
+
+
+def expect_number(actual, expected: float, case=None, *, rtol: float = 1e-6,
+                  atol: float = 0.0) -> None:
+    """``actual`` is a real number (int or float, or a one-element tensor) close to
+    ``expected``."""
+    if isinstance(actual, torch.Tensor) and actual.numel() == 1 and not actual.is_complex():
+        actual = actual.item()
+    if isinstance(actual, bool) or not isinstance(actual, (int, float)):
+        raise AssertionError(f"your answer should be a number, got {type(actual).__name__}")
+    if not math.isclose(actual, expected, rel_tol=rtol, abs_tol=atol):
+        raise AssertionError(f"your answer is {actual:.6g}, expected {expected:.6g}")
+
+
+def expect_relative(rtol: float):
+    """``expect_number`` within a relative tolerance: for estimates and measurements."""
+    def compare(actual, expected, case=None):
+        expect_number(actual, expected, case, rtol=rtol)
+    return compare
+
+
+def expect_equal(actual, expected, case=None) -> None:
+    """``actual == expected`` for plain values (ints, strings, tuples of them)."""
+    if type(actual) is not type(expected) and not (isinstance(actual, (list, tuple))
+                                                   and isinstance(expected, (list, tuple))):
+        raise AssertionError(f"your answer should be a {type(expected).__name__}, got "
+                             f"{type(actual).__name__}")
+    if (list(actual) if isinstance(actual, (list, tuple)) else actual) != \
+            (list(expected) if isinstance(expected, (list, tuple)) else expected):
+        raise AssertionError(f"your answer {actual!r} is not the expected one")

@@ -1,0 +1,70 @@
+"""``check("ch03.causal_mask", causal_mask)``: immediate feedback in the notebook.
+
+It runs the exercise's public cases on the student's function, in the student's own process,
+with the same comparisons, hints and banned calls as the grader, and prints a table. It decides
+nothing: the grade comes from ``python -m course_attn.grade``, which sends its own inputs,
+hidden ones included, and judges the answers outside the student's process.
+"""
+
+import copy
+
+from .exercise import Exercise, get
+from .harness import Watch, encode, error_as_data
+from .judge import Answer, Judgement, format_judgement, judge_case
+
+
+class ExerciseFailed(AssertionError):
+    """Raised by ``check`` so that a failing exercise stops the notebook, visibly."""
+
+    def _render_traceback_(self):  # IPython shows this instead of a traceback
+        return [f"ExerciseFailed: {self}"]
+
+
+def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = True) -> Judgement:
+    """Judge ``fn`` (a function, or the value of a ``kind="value"`` exercise) on ``cases``
+    (default: the public ones), in this process; never raises for a broken ``fn``."""
+    judgement = Judgement(exercise.key)
+    cases = exercise.public_cases() if cases is None else cases
+    watch = Watch(exercise.banned if watch_banned else (), exercise.allowed)
+    for case in cases:
+        expected = exercise.expected(case)
+        if exercise.kind == "value":
+            answer = Answer(value=fn)
+        elif not callable(fn):
+            answer = Answer(error={"type": "TypeError",
+                                   "message": f"expected a function, got {type(fn).__name__}"})
+        else:
+            args = copy.deepcopy(case.args)
+            try:
+                with watch:
+                    value = fn(*args, **dict(case.kwargs))
+                answer = Answer(value=value)
+            except Exception as error:
+                answer = Answer(error=error_as_data(error))
+            else:
+                changed = [i for i, (a, b) in enumerate(zip(args, case.args))
+                           if _encoded(a) != _encoded(b)]
+                answer.mutated_argument = changed[0] if changed else None
+        judgement.results.append(judge_case(exercise, case, expected, answer))
+    judgement.banned = list(watch.hits)
+    return judgement
+
+
+def _encoded(value):
+    try:
+        return encode(value)
+    except Exception:
+        return repr(value)
+
+
+def check(key: str, fn) -> None:
+    """Run exercise ``key``'s public cases on ``fn`` and print what passed, what failed and a
+    hint. An unanswered exercise prints "not answered yet"; a wrong one raises ExerciseFailed
+    after the table."""
+    judgement = run_exercise(get(key), fn)
+    print(format_judgement(judgement))
+    if not judgement.passed and not judgement.not_implemented:
+        failed = sum(not r.passed for r in judgement.results)
+        what = judgement.reason() if judgement.banned else \
+            f"{failed} of {len(judgement.results)} checks failed (see above)"
+        raise ExerciseFailed(f"{key}: {what}")

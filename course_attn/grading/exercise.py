@@ -1,0 +1,170 @@
+"""What an exercise is: the function a student writes, the cases it is tried on, the reference
+that gives the expected answers, what it may not call, and the typical mistakes it names.
+
+A chapter's module (``course_attn/grading/ch03.py``) declares its exercises::
+
+    register(Exercise(
+        key="ch03.causal_mask", function="causal_mask", reference=masks.causal_mask,
+        cases=public_cases, compare=expect_tensor,
+        banned=("course_attn", "torch.nn.attention.bias.causal_lower_right"),
+        mistakes=(Mistake("aligned top-left, as PyTorch's is_causal", top_left),),
+    ))
+
+The keys: a chapter is ``NN``; an exercise is ``chNN.name`` in the notebook's grade cell
+(``grade_id`` ``chNN-name``, nbgrader's spelling), in ``check("chNN.name", ...)`` and here.
+
+Public cases are seeded and shown by ``check()`` in the notebook. Hidden cases live with the
+solutions, in ``solutions/hidden/chNN.py`` (never in the package or a notebook): each registers
+a generator of cases with ``@hidden("chNN.name")``; the grader draws them with a fresh seed for
+every notebook it grades, so a table of answers to the public cases is worth nothing.
+"""
+
+import importlib
+import importlib.util
+import pkgutil
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+KEY = re.compile(r"^ch(\d\d)\.([A-Za-z_][A-Za-z0-9_]*)$")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input for the student's function: ``fn(*args, **kwargs)``. ``hint`` says what the
+    case tries, for when it fails and no typical mistake explains the answer."""
+
+    name: str
+    args: tuple = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    hint: str = ""
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """A typical wrong answer: ``fn`` computes it (same signature as the exercise), ``hint``
+    names it. A failed case whose answer equals ``fn``'s gets this hint."""
+
+    hint: str
+    fn: Callable
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """``kind="function"``: the notebook defines ``function``, called on each case.
+    ``kind="value"``: the notebook assigns ``function`` (a prediction, a measurement), compared
+    once with ``reference()``.
+
+    ``compare(actual, expected, case)`` raises AssertionError with a message for the student.
+    ``banned``: dotted names the student's code may not call while it computes an answer
+    ("torch.softmax", "torch.Tensor.softmax", "torch.nn.functional.scaled_dot_product_attention";
+    "course_attn" bans every function of the package, except ``allowed``).
+    """
+
+    key: str
+    function: str
+    reference: Callable
+    cases: Callable[[], Iterable[Case]]
+    compare: Callable[[Any, Any, Case], None]
+    kind: str = "function"
+    banned: tuple[str, ...] = ()
+    allowed: tuple[str, ...] = ()
+    mistakes: tuple[Mistake, ...] = ()
+
+    @property
+    def chapter(self) -> str:
+        return self.key.split(".")[0]
+
+    @property
+    def grade_id(self) -> str:
+        return grade_id_of(self.key)
+
+    def public_cases(self) -> list[Case]:
+        return list(self.cases())
+
+    def expected(self, case: Case):
+        return self.reference(*case.args, **dict(case.kwargs))
+
+
+_EXERCISES: dict[str, Exercise] = {}
+_HIDDEN: dict[str, Callable[[torch.Generator], Iterable[Case]]] = {}
+
+
+def validate_key(key: str) -> str:
+    if not isinstance(key, str) or not KEY.match(key):
+        raise ValueError(f"exercise keys look like 'ch03.causal_mask', got {key!r}")
+    return key
+
+
+def grade_id_of(key: str) -> str:
+    """``"ch03.causal_mask"`` -> ``"ch03-causal_mask"``, the grade cell's nbgrader grade_id."""
+    return validate_key(key).replace(".", "-", 1)
+
+
+def key_of(grade_id: str) -> str | None:
+    """The exercise key of a grade cell's ``grade_id``, or None if it names no exercise."""
+    key = grade_id.replace("-", ".", 1) if isinstance(grade_id, str) else ""
+    return key if KEY.match(key) else None
+
+
+def register(exercise: Exercise) -> Exercise:
+    validate_key(exercise.key)
+    if exercise.kind not in ("function", "value"):
+        raise ValueError(f"{exercise.key}: kind must be 'function' or 'value'")
+    _EXERCISES[exercise.key] = exercise
+    return exercise
+
+
+def hidden(key: str):
+    """Decorator for ``solutions/hidden/chNN.py``: ``@hidden("ch03.causal_mask")`` registers a
+    generator ``(torch.Generator) -> cases``."""
+    def decorate(make: Callable[[torch.Generator], Iterable[Case]]):
+        _HIDDEN[validate_key(key)] = make
+        return make
+    return decorate
+
+
+def get(key: str) -> Exercise:
+    """The exercise ``key``, importing its chapter's module if needed."""
+    validate_key(key)
+    if key not in _EXERCISES:
+        try:
+            importlib.import_module(f"{__package__}.{key.split('.')[0]}")
+        except ModuleNotFoundError:
+            pass
+    if key not in _EXERCISES:
+        raise ValueError(f"no exercise named {key!r}; known: {sorted(all_exercises())}")
+    return _EXERCISES[key]
+
+
+def all_exercises() -> dict[str, Exercise]:
+    """Every exercise, after importing every chapter module of ``course_attn.grading``."""
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if re.fullmatch(r"ch\d\d", info.name):
+            importlib.import_module(f"{__package__}.{info.name}")
+    return dict(_EXERCISES)
+
+
+def load_hidden(solutions_dir: Path | str) -> list[str]:
+    """Import every ``solutions_dir/hidden/chNN.py`` (registering its hidden cases); returns
+    the keys that have hidden cases."""
+    folder = Path(solutions_dir) / "hidden"
+    for path in sorted(folder.glob("ch[0-9][0-9].py")):
+        name = f"_course_attn_hidden_{path.stem}"
+        if name in sys.modules:
+            continue
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sorted(_HIDDEN)
+
+
+def hidden_cases(key: str, seed: int) -> list[Case]:
+    """The hidden cases of ``key`` drawn with ``seed``; [] if it has none (or none loaded)."""
+    make = _HIDDEN.get(key)
+    return list(make(torch.Generator().manual_seed(seed))) if make else []

@@ -1,0 +1,138 @@
+"""Judging: the student's answers against the references, case by case, with the hint that
+names the mistake. Pure computation on plain values; ``check()`` uses it in the notebook and
+the grader uses it in its own process, on the answers the kernel sent back."""
+
+from dataclasses import dataclass, field
+
+from .exercise import Case, Exercise
+
+NOT_IMPLEMENTED = "not answered yet"
+
+
+@dataclass
+class Answer:
+    """What the student's code gave for one case: a value, or an error (``error`` = its type
+    and message), or a value that could not be sent back (``unsendable``)."""
+
+    value: object = None
+    error: dict | None = None
+    unsendable: str = ""
+    mutated_argument: int | None = None
+
+
+@dataclass
+class CaseResult:
+    name: str
+    passed: bool
+    message: str = ""
+    hint: str = ""
+    hidden: bool = False
+
+
+@dataclass
+class Judgement:
+    key: str
+    results: list[CaseResult] = field(default_factory=list)
+    banned: list[str] = field(default_factory=list)
+    missing: bool = False  # the notebook does not define the function
+
+    @property
+    def passed(self) -> bool:
+        return (not self.missing and not self.banned and bool(self.results)
+                and all(r.passed for r in self.results))
+
+    @property
+    def not_implemented(self) -> bool:
+        return not self.banned and (self.missing or bool(self.results) and all(
+            r.message == NOT_IMPLEMENTED for r in self.results))
+
+    def reason(self) -> str:
+        """One sentence: why the exercise failed, or "passed"."""
+        if self.banned:
+            return (f"calls {self.banned[0]}, which this exercise does not allow: write the "
+                    "computation yourself")
+        if self.missing:
+            return "not answered: the notebook does not define it"
+        if self.not_implemented:
+            return "not implemented"
+        failed = [r for r in self.results if not r.passed]
+        if not failed:
+            return "passed"
+        first = failed[0]
+        where = "a hidden case" if first.hidden else repr(first.name)
+        text = f"{len(failed)} of {len(self.results)} cases failed (first, {where}: " \
+               f"{first.message}"
+        return text + (f"; hint: {first.hint})" if first.hint else ")")
+
+
+def describe_error(error: dict) -> str:
+    if error.get("type") == "NotImplementedError":
+        return NOT_IMPLEMENTED
+    line = f" (line {error['line']} of its cell)" if error.get("line") else ""
+    message = str(error.get("message") or "").strip()
+    return f"{error.get('type', 'Exception')}: {message}{line}" if message else \
+        f"{error.get('type', 'Exception')}{line}"
+
+
+def _matches(exercise: Exercise, value, expected) -> bool:
+    try:
+        exercise.compare(value, expected, None)
+        return True
+    except Exception:
+        return False
+
+
+def name_the_mistake(exercise: Exercise, case: Case, value) -> str:
+    """The hint of the first typical mistake whose answer for ``case`` equals ``value``, or ""."""
+    for mistake in exercise.mistakes:
+        try:
+            wrong = mistake.fn(*case.args, **dict(case.kwargs))
+        except Exception:
+            continue
+        if _matches(exercise, value, wrong):
+            return mistake.hint
+    return ""
+
+
+def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
+               hidden: bool = False) -> CaseResult:
+    name = case.name
+    if answer.error is not None:
+        return CaseResult(name, False, describe_error(answer.error),
+                          "" if answer.error.get("type") == "NotImplementedError" else case.hint,
+                          hidden)
+    if answer.unsendable:
+        return CaseResult(name, False, f"your function returned {answer.unsendable}, which is "
+                                       "not a tensor, number, string or list of them",
+                          case.hint, hidden)
+    try:
+        exercise.compare(answer.value, expected, case)
+    except AssertionError as error:
+        hint = name_the_mistake(exercise, case, answer.value) or case.hint
+        return CaseResult(name, False, str(error) or "wrong answer", hint, hidden)
+    except Exception as error:  # an answer of a shape the comparison did not foresee
+        return CaseResult(name, False, f"your answer could not be compared: {error}",
+                          case.hint, hidden)
+    if answer.mutated_argument is not None:
+        return CaseResult(name, False, f"your function changed its argument "
+                                       f"{answer.mutated_argument + 1} in place",
+                          "compute a new tensor or list instead of writing into the input",
+                          hidden)
+    return CaseResult(name, True, hint=case.hint, hidden=hidden)
+
+
+def format_judgement(judgement: Judgement) -> str:
+    """The table that ``check()`` prints."""
+    if judgement.not_implemented:
+        return f"{judgement.key}: not answered yet ({len(judgement.results)} checks waiting)"
+    passed = sum(r.passed for r in judgement.results)
+    lines = [f"{judgement.key}: {passed}/{len(judgement.results)} checks passed"]
+    if judgement.banned:
+        lines.append(f"  ✗ {judgement.reason()}")
+    for r in judgement.results:
+        lines.append(f"  {'✓' if r.passed else '✗'} {r.name}")
+        if not r.passed:
+            lines.append(f"      {r.message}")
+            if r.hint:
+                lines.append(f"      hint: {r.hint}")
+    return "\n".join(lines)
