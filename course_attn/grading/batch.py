@@ -26,13 +26,11 @@ Without ``--gradebook``: ``python -m course_attn.grade PATH...`` grades notebook
 ``*.ipynb`` of a folder) and prints a table; ``--json`` writes the report.
 """
 
-import argparse
 import csv
 import hashlib
 import io
 import json
 import multiprocessing
-import os
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -44,8 +42,10 @@ from pathlib import Path
 from jupyter_core.utils import run_sync
 from tqdm import tqdm
 
-from . import grader
-from .grader import Canonical, GradingOptions, NotebookGrade
+from . import grader, processes
+from .canonical import Canonical
+from .grader import GradingOptions
+from .report import NotebookGrade, write_atomically
 
 MAX_SUBMISSION_BYTES = 50 * 1024 * 1024
 WORKER_ATTEMPTS = 3  # a notebook whose worker process died is graded again, up to this often
@@ -114,14 +114,27 @@ def collect_class(root: Path, skip: set[Path] = frozenset()) -> ClassSubmissions
 _WORKER: dict = {}
 
 
-def _start_worker(canonicals: dict, options: GradingOptions, solutions_dir: str) -> None:
-    _WORKER.update(lookup=grader.lookup_in(canonicals, solutions_dir), options=options)
+def _start_worker(canonicals: dict, options: GradingOptions, solutions_dir: str,
+                  adopt_orphans: bool = False) -> None:
+    """Set up a grading process: the exercises that the check modules and the hidden cases
+    register, and (in a worker process) the adoption of orphans, killed after each notebook."""
+    grader.prepare(solutions_dir, options.check_modules, read_notebooks=False)
+    if adopt_orphans:
+        processes.become_subreaper()
+    _WORKER.update(lookup=grader.lookup_in(canonicals, solutions_dir), options=options,
+                   adopt_orphans=adopt_orphans, children=processes.children())
 
 
 def _grade_submission(submission: Submission) -> NotebookGrade:
-    return run_sync(grader.grade_data)(submission.path.name, submission.data, _WORKER["lookup"],
-                                       _WORKER["options"], read_problem=submission.problem,
-                                       path=str(submission.path))
+    grade = run_sync(grader.grade_data)(submission.path.name, submission.data, _WORKER["lookup"],
+                                        _WORKER["options"], read_problem=submission.problem,
+                                        path=str(submission.path))
+    if _WORKER["adopt_orphans"]:
+        killed = processes.kill_new_children(_WORKER["children"])
+        if killed:
+            grade.flags.append(f"{killed} process(es) that the submission left running were "
+                               "killed")
+    return grade
 
 
 def _worker_died(submission: Submission) -> NotebookGrade:
@@ -140,7 +153,7 @@ def grade_files(submissions: list[Submission], canonicals: dict[str, Canonical |
                disable=not progress, mininterval=0.5)
     try:
         if workers <= 1 or len(submissions) <= 1:
-            _start_worker(canonicals, options, solutions_dir)
+            _start_worker(canonicals, options, solutions_dir, adopt_orphans=False)
             for i, submission in enumerate(submissions):
                 grades[i] = _grade_submission(submission)
                 bar.update(1)
@@ -158,7 +171,7 @@ def _grade_in_pool(submissions, canonicals, options, workers, solutions_dir, gra
     while pending:
         pool = ProcessPoolExecutor(max_workers=min(workers, len(pending)), mp_context=context,
                                    initializer=_start_worker,
-                                   initargs=(canonicals, options, solutions_dir))
+                                   initargs=(canonicals, options, solutions_dir, True))
         try:
             futures = {pool.submit(_grade_submission, submissions[i]): i for i in pending}
             pending = []
@@ -181,10 +194,10 @@ def _grade_in_pool(submissions, canonicals, options, workers, solutions_dir, gra
                                         refresh=False)
                     bar.update(1)
         except BaseException:  # Ctrl-C: stop now rather than grade what is queued
-            processes = getattr(pool, "_processes", None)  # private, but the only handle on
-            processes = list(processes.values()) if isinstance(processes, dict) else []  # them
+            workers_ = getattr(pool, "_processes", None)  # private, but the only handle on
+            workers_ = list(workers_.values()) if isinstance(workers_, dict) else []  # them
             pool.shutdown(wait=False, cancel_futures=True)
-            for process in processes:
+            for process in workers_:
                 process.terminate()  # its kernel notices that its parent is gone, and exits
             raise
         pool.shutdown(wait=True)
@@ -306,12 +319,12 @@ def grade_class(root: Path, out: Path, *, solutions_dir: Path, options: GradingO
                 workers: int, progress: bool = True) -> dict:
     """Grade every submission in ``root`` and write the CSV and JSON gradebooks of ``out``;
     returns the JSON gradebook."""
-    started = time.monotonic()
+    started, children = time.monotonic(), processes.children()
     csv_path, json_path = gradebook_paths(out)
     found = collect_class(root, skip={csv_path.resolve(), json_path.resolve()})
     trusted = trusted_files(solutions_dir, options.check_modules)
     before = fingerprint(trusted)
-    canonicals = grader.load_canonicals(solutions_dir)
+    canonicals = grader.prepare(solutions_dir, options.check_modules)
     grades = grade_files(found.submissions, canonicals, options, workers=workers,
                          solutions_dir=str(solutions_dir), progress=progress)
     after = fingerprint(trusted)
@@ -319,8 +332,9 @@ def grade_class(root: Path, out: Path, *, solutions_dir: Path, options: GradingO
                      if before.get(path) != after.get(path))
     book = build_gradebook(found, grades, canonicals, options, time.monotonic() - started,
                            changed)
-    csv_path.write_text(gradebook_csv(book), encoding="utf-8")
-    json_path.write_text(json.dumps(book, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    processes.kill_new_children(children)  # orphans adopted from the workers' kernels
+    write_atomically(csv_path, gradebook_csv(book))
+    write_atomically(json_path, json.dumps(book, indent=2, ensure_ascii=False) + "\n")
     book["grader_errors"] = sum(g.grader_error for g in grades)
     return book
 
@@ -332,121 +346,3 @@ def format_class_table(book: dict) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(2)]
     return "\n".join(f"{row[0].ljust(widths[0])}  {row[1].ljust(widths[1])}  {row[2]}".rstrip()
                      for row in rows)
-
-
-def _collect(paths: list[str]) -> list[Path]:
-    found: list[Path] = []
-    for name in paths:
-        path = Path(name)
-        if path.is_dir():
-            notebooks = sorted(path.glob("*.ipynb"))
-            if not notebooks:
-                raise ValueError(f"no .ipynb file in folder {name}")
-            found.extend(notebooks)
-        elif path.exists():
-            found.append(path)
-        else:
-            raise ValueError(f"no such file or folder: {name}")
-    seen: set[Path] = set()
-    unique = []
-    for path in found:
-        if path.resolve() not in seen:
-            seen.add(path.resolve())
-            unique.append(path)
-    return unique
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m course_attn.grade",
-        description="Grade exercise notebooks: each runs in a fresh kernel, on a copy, with "
-                    "time and memory limits. With --gradebook, grade a whole class.")
-    parser.add_argument("paths", nargs="+", metavar="PATH",
-                        help="a notebook, or a folder of notebooks (*.ipynb); with --gradebook, "
-                             "the one folder of submissions (a file or a folder per student)")
-    parser.add_argument("--gradebook", type=Path, metavar="OUT",
-                        help="grade the class in PATH and write OUT.csv and OUT.json")
-    parser.add_argument("--json", type=Path, metavar="REPORT.json",
-                        help="without --gradebook: also write a machine-readable report here")
-    parser.add_argument("--timeout", type=float, default=grader.CELL_TIMEOUT_S,
-                        metavar="SECONDS",
-                        help=f"time limit per cell (default {grader.CELL_TIMEOUT_S:g})")
-    parser.add_argument("--notebook-timeout", type=float, default=grader.NOTEBOOK_TIMEOUT_S,
-                        metavar="SECONDS",
-                        help=f"time limit per notebook (default {grader.NOTEBOOK_TIMEOUT_S:g})")
-    parser.add_argument("--memory-mb", type=int, default=grader.MEMORY_MB, metavar="MB",
-                        help="memory limit of each notebook's kernel, in MiB (RLIMIT_DATA; "
-                             f"default {grader.MEMORY_MB}; 0: none)")
-    parser.add_argument("--workers", "--jobs", type=int, default=os.cpu_count() or 1,
-                        metavar="N", help="grade N notebooks at a time, in worker processes "
-                                          "(default: one per CPU)")
-    parser.add_argument("--solutions", type=Path, metavar="DIR",
-                        help="folder of solution notebooks (default: ./solutions, else the "
-                             "repository's)")
-    parser.add_argument("--checks-module", action="append", default=[], metavar="MODULE",
-                        help="a module of exercise checks outside course_attn.grading, imported "
-                             "into every kernel before the submission's code (repeatable)")
-    return parser
-
-
-def _validate(args) -> None:
-    if args.timeout <= 0 or args.notebook_timeout <= 0:
-        raise ValueError("--timeout and --notebook-timeout must be positive")
-    if args.workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {args.workers}")
-    if args.memory_mb != 0 and args.memory_mb < 256:
-        raise ValueError(f"--memory-mb must be 0 (no limit) or at least 256, got "
-                         f"{args.memory_mb}: the kernel alone needs about 350 MB")
-    if not args.solutions.is_dir():
-        raise ValueError(f"solutions folder {args.solutions} does not exist")
-    if args.gradebook is not None:
-        if args.json is not None:
-            raise ValueError("--json is for single notebooks; --gradebook writes OUT.json")
-        if len(args.paths) != 1 or not Path(args.paths[0]).is_dir():
-            raise ValueError("--gradebook grades one folder of submissions: give exactly one "
-                             "folder")
-        if not args.gradebook.resolve().parent.is_dir():
-            raise ValueError(f"folder of --gradebook {args.gradebook} does not exist")
-    elif args.json is not None and not args.json.resolve().parent.is_dir():
-        raise ValueError(f"folder of --json {args.json} does not exist")
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except KeyboardInterrupt:
-        print("\ninterrupted: nothing was written", file=sys.stderr)
-        return 130
-
-
-def _main(argv: list[str] | None) -> int:
-    args = _parser().parse_args(argv)
-    args.solutions = args.solutions or grader.default_solutions_dir()
-    try:
-        _validate(args)
-        paths = None if args.gradebook is not None else _collect(args.paths)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    options = GradingOptions(args.timeout, args.notebook_timeout, args.memory_mb,
-                             tuple(args.checks_module))
-    if args.gradebook is not None:
-        book = grade_class(Path(args.paths[0]), args.gradebook, solutions_dir=args.solutions,
-                           options=options, workers=args.workers)
-        print(format_class_table(book))
-        csv_path, json_path = gradebook_paths(args.gradebook)
-        print(f"{len(book['students'])} students graded in {book['seconds']:g} s; wrote "
-              f"{csv_path} and {json_path}")
-        for path in book["integrity"]["changed_during_grading"]:
-            print(f"warning: {path} changed on disk while grading; a submission may have "
-                  "written it: do not trust these grades", file=sys.stderr)
-        return 1 if book["grader_errors"] else 0
-    canonicals = grader.load_canonicals(args.solutions)
-    submissions = [read_submission(path) for path in paths]
-    grades = grade_files(submissions, canonicals, options, workers=args.workers,
-                         solutions_dir=str(args.solutions))
-    print(grader.format_table(grades))
-    if args.json is not None:
-        args.json.write_text(json.dumps(grader.report(grades), indent=2, ensure_ascii=False)
-                             + "\n")
-    return 1 if any(g.grader_error for g in grades) else 0

@@ -1,0 +1,87 @@
+"""Reading a submitted notebook: bytes -> nbformat 4 (older versions converted), or the reason
+it is not one; and which chapter it belongs to. The student's file is only ever read."""
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+
+def shorten(text: str, limit: int = 200) -> str:
+    """``text`` on one line, cut to ``limit`` characters."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def chapter_from_name(path: Path | str) -> str | None:
+    """``"03_masking.ipynb"`` -> ``"ch03"``; None without an ``NN_`` prefix."""
+    match = re.match(r"(\d+)_", Path(path).name)
+    return f"ch{int(match.group(1)):02d}" if match else None
+
+
+def chapter_of(nb, path: Path | str) -> str | None:
+    meta = nb.metadata.get("course_attn") if nb is not None else None
+    chapter = meta.get("chapter") if isinstance(meta, dict) else None
+    return chapter if isinstance(chapter, str) and chapter else chapter_from_name(path)
+
+
+@dataclass
+class ReadNotebook:
+    """``read_notebook``'s answer: the notebook, or why it is not one; and what was done to it."""
+
+    nb: nbformat.NotebookNode | None
+    problem: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def read_notebook(path: Path) -> ReadNotebook:
+    """The notebook in ``path``; see ``parse_notebook``."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        return ReadNotebook(None, f"could not read the file: {error.strerror or error}")
+    return parse_notebook(data, path.suffix)
+
+
+def parse_notebook(data: bytes, suffix: str = ".ipynb") -> ReadNotebook:
+    """The notebook in ``data`` (nbformat 4; 1 to 3 converted), or why it is not one."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return ReadNotebook(None, "not a notebook: the file is not UTF-8 text")
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as error:
+        prefix = "" if suffix == ".ipynb" else "not a notebook: "
+        return ReadNotebook(None, f"{prefix}invalid JSON (line {error.lineno}, column "
+                                  f"{error.colno}): {error.msg}")
+    except RecursionError:
+        return ReadNotebook(None, "not a notebook: JSON nested too deeply")
+    version = raw.get("nbformat") if isinstance(raw, dict) else None
+    notes = []
+    if isinstance(version, int) and not isinstance(version, bool) and version != 4:
+        if not 1 <= version <= 3:
+            return ReadNotebook(None, f"not a notebook this grader can read: nbformat {version} "
+                                      "(it reads 4 and converts 1 to 3)")
+        notes.append(f"the notebook was converted from nbformat {version} to 4 before grading")
+    elif not isinstance(raw, dict) or not isinstance(raw.get("cells"), list):
+        return ReadNotebook(None, "not a notebook: JSON without a list of cells")
+    try:
+        nb = nbformat.reads(text, as_version=4)
+    except Exception as error:  # nbformat raises schema, key and type errors alike
+        return ReadNotebook(None, f"not a valid notebook: {shorten(str(error).splitlines()[0])}")
+    # Jupyter opens notebooks that bend the schema a little; so does the grader, where it can.
+    if not isinstance(nb.get("cells"), list) or not isinstance(nb.get("metadata"), dict):
+        return ReadNotebook(None, "not a valid notebook: no list of cells after conversion")
+    for index, cell in enumerate(nb.cells):
+        if (not isinstance(cell, dict) or cell.get("cell_type") not in ("code", "markdown", "raw")
+                or not isinstance(cell.get("source"), str)):
+            return ReadNotebook(None, f"not a valid notebook: cell {index + 1} has no cell_type "
+                                      "or source")
+        if not isinstance(cell.get("metadata"), dict):
+            cell["metadata"] = nbformat.NotebookNode()
+        if cell.cell_type == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    return ReadNotebook(nb, None, notes)

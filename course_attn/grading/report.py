@@ -1,0 +1,91 @@
+"""The grade of a notebook, and how it is shown: a score table, a JSON report, written
+atomically (a reader never sees half a file)."""
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ExerciseScore:
+    grade_id: str
+    points: float
+    max_points: float
+    passed: bool
+    reason: str
+
+
+@dataclass
+class NotebookGrade:
+    """The grade of one submitted file. ``error`` says why it could not be run at all."""
+
+    path: str
+    chapter: str | None = None
+    exercises: list[ExerciseScore] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)
+    error: str | None = None
+    grader_error: bool = False
+    seconds: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(e.points for e in self.exercises)
+
+    @property
+    def max_points(self) -> float:
+        return sum(e.max_points for e in self.exercises)
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "chapter": self.chapter, "total": self.total,
+                "max": self.max_points, "exercises": [asdict(e) for e in self.exercises],
+                "flags": list(self.flags), "error": self.error,
+                "grader_error": self.grader_error, "seconds": round(self.seconds, 2)}
+
+
+def report(grades: list[NotebookGrade]) -> dict:
+    """The machine-readable report (what ``--json`` writes)."""
+    return {"notebooks": [g.to_dict() for g in grades],
+            "total": sum(g.total for g in grades),
+            "max": sum(g.max_points for g in grades)}
+
+
+def write_atomically(path: Path | str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path | str, data) -> None:
+    write_atomically(path, json.dumps(data, indent=2) + "\n")
+
+
+def format_table(grades: list[NotebookGrade]) -> str:
+    """The score table: one row per exercise, a total row per notebook, flags under it."""
+    rows = [("notebook", "exercise", "points", "reason")]
+    notes: dict[int, list[str]] = {}
+    for grade in grades:
+        for e in grade.exercises:
+            rows.append((grade.path, e.grade_id, f"{e.points:g} / {e.max_points:g}", e.reason))
+        rows.append((grade.path, "total", f"{grade.total:g} / {grade.max_points:g}",
+                     grade.error or ""))
+        notes[len(rows) - 1] = [f"flag: {flag}" for flag in grade.flags]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = []
+    for number, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3])
+        lines[-1] = lines[-1].rstrip()
+        lines.extend(" " * 4 + note for note in notes.get(number, []))
+    if len(grades) > 1:
+        total, most = sum(g.total for g in grades), sum(g.max_points for g in grades)
+        lines.append(f"all {len(grades)} notebooks: {total:g} / {most:g}")
+    return "\n".join(lines)
