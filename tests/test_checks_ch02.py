@@ -1,26 +1,119 @@
-"""The chapter 2 checks: the reference solutions pass, typical mistakes fail the case meant for them."""
+"""Chapter 2's exercises: the references pass every case (hidden ones too), each typical mistake
+fails the case meant for it with its own hint, and a banned call is reported by name.
+
+The wrong solutions below are written as a student would write them; each test names the case
+it must fail and a fragment of the hint it must get.
+"""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from course_attn.grading import ExerciseFailed, check, run_checks
+import course_attn
+from course_attn.grading import ExerciseFailed, check, get, run_exercise
+from course_attn.grading.exercise import hidden_cases, load_hidden
+
+SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
+KEYS = ["ch02.attention_scores", "ch02.stable_softmax", "ch02.attention",
+        "ch02.softmax_backward", "ch02.attention_cost"]
+load_hidden(SOLUTIONS)
 
 
-def results(name, fn) -> dict[str, bool]:
-    """Case name -> passed, for exercise ``name`` run on ``fn``."""
-    return {r.name: r.passed for r in run_checks(name, fn).results}
+# --- helpers (the same in test_checks_ch02.py and test_checks_ch03.py) ---------------------------
+
+def results(key, fn, cases=None, watch=True):
+    return {r.name: r for r in run_exercise(get(key), fn, cases, watch_banned=watch).results}
 
 
-def failed(name, fn) -> set[str]:
-    return {case for case, passed in results(name, fn).items() if not passed}
+def mistake_hint(key, fragment):
+    """The hint of ``key``'s typical mistake whose hint contains ``fragment``."""
+    hints = [m.hint for m in get(key).mistakes if fragment in m.hint]
+    assert hints, f"{key}: no typical mistake whose hint contains {fragment!r}"
+    return hints[0]
 
 
-# --- reference solutions (what solutions/02_scaled_dot_product.ipynb holds) -------------------
+def assert_fails(key, fn, case, hint=None, message=None):
+    """``fn`` fails ``case``; with the hint of the typical mistake ``hint`` names (a fragment of
+    it), or a hint containing ``hint`` when no mistake has it; ``message`` in the message."""
+    found = results(key, fn)
+    assert case in found, f"no case named {case!r}; cases: {sorted(found)}"
+    result = found[case]
+    assert not result.passed, f"{key}: {case!r} should fail"
+    if hint is not None:
+        mistakes = [m.hint for m in get(key).mistakes if hint in m.hint]
+        expected = mistakes[0] if mistakes else None
+        assert (result.hint == expected) if expected else (hint in result.hint), \
+            f"{key}, {case!r}: hint {result.hint!r}, wanted the one about {hint!r} " \
+            f"(message: {result.message!r})"
+    if message is not None:
+        assert message in result.message, result.message
+
+
+def assert_banned(key, fn, name):
+    """A call of ``name`` is reported by the judgement, and check() raises naming it."""
+    judgement = run_exercise(get(key), fn)
+    assert any(name in hit for hit in judgement.banned), judgement.banned
+    assert not judgement.passed and name in judgement.reason()
+    with pytest.raises(ExerciseFailed, match="does not allow"):
+        check(key, fn)
+
+
+def assert_mistakes_name_themselves(key, hidden=True):
+    """Every typical mistake fails a public case with its own hint (and a hidden case too); where
+    another mistake's hint shows instead, the two give the very same answer on that case."""
+    exercise = get(key)
+    by_hint = {m.hint: m for m in exercise.mistakes}
+    cases = {c.name: c for c in exercise.public_cases()}
+    for mistake in exercise.mistakes:
+        failed = [r for r in run_exercise(exercise, mistake.fn, watch_banned=False).results
+                  if not r.passed]
+        assert any(r.hint == mistake.hint for r in failed), \
+            f"{key}: no public case names {mistake.hint!r}"
+        for r in failed:
+            if r.hint != mistake.hint and r.hint in by_hint:
+                case = cases[r.name]
+                exercise.compare(mistake.fn(*case.args, **dict(case.kwargs)),
+                                 by_hint[r.hint].fn(*case.args, **dict(case.kwargs)), None)
+        caught = (not run_exercise(exercise, mistake.fn, hidden_cases(key, seed),
+                                   watch_banned=False).passed for seed in range(10))
+        assert not hidden or any(caught), f"{key}: no hidden case catches {mistake.hint!r}"
+
+
+def not_implemented(*args, **kwargs):
+    raise NotImplementedError()
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_the_reference_passes_public_and_hidden_cases(key):
+    exercise = get(key)
+    assert run_exercise(exercise, exercise.reference, watch_banned=False).passed
+    for seed in range(10):
+        cases = hidden_cases(key, seed)
+        assert cases, f"{key} has no hidden cases"
+        judgement = run_exercise(exercise, exercise.reference, cases, watch_banned=False)
+        assert judgement.passed, [(r.name, r.message) for r in judgement.results]
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_every_typical_mistake_names_itself(key):
+    assert_mistakes_name_themselves(key)
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_an_unanswered_exercise_is_not_answered_yet(key, capsys):
+    assert run_exercise(get(key), not_implemented).not_implemented
+    check(key, not_implemented)  # does not raise
+    assert "not answered yet" in capsys.readouterr().out
+
+
+# --- solutions as in solutions/02_scaled_dot_product.ipynb ----------------------------------------
 
 def attention_scores(q, k, scale=None):
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
     return q @ k.transpose(-2, -1) * scale
 
 
@@ -33,151 +126,283 @@ def stable_softmax(x, dim=-1):
 
 
 def attention(q, k, v, scale=None):
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = q @ k.transpose(-2, -1) * scale
-    return torch.softmax(scores, dim=-1) @ v
+    return stable_softmax(attention_scores(q, k, scale), dim=-1) @ v
 
 
-def stub(*args, **kwargs):
-    raise NotImplementedError()
+def softmax_backward(y, g, dim=-1):
+    return y * (g - (g * y).sum(dim=dim, keepdim=True))
 
 
-REFERENCE = {
-    "ch02.attention_scores": attention_scores,
-    "ch02.stable_softmax": stable_softmax,
-    "ch02.attention": attention,
-}
+def attention_cost(b, h, tq, tk, d, dv, bytes_per_element):
+    flops = 2 * b * h * tq * tk * d + 2 * b * h * tq * tk * dv
+    score_bytes = b * h * tq * tk * bytes_per_element
+    io_bytes = b * h * (tq * d + tk * d + tk * dv + tq * dv) * bytes_per_element
+    return {"flops": flops, "score_bytes": score_bytes, "io_bytes": io_bytes}
 
 
-@pytest.mark.parametrize("name", sorted(REFERENCE))
-def test_reference_passes_every_case(name):
-    outcome = results(name, REFERENCE[name])
-    assert 4 <= len(outcome) <= 8
-    assert all(outcome.values()), outcome
-    check(name, REFERENCE[name])
+@pytest.mark.parametrize("key, fn", [
+    ("ch02.attention_scores", attention_scores), ("ch02.stable_softmax", stable_softmax),
+    ("ch02.attention", attention), ("ch02.softmax_backward", softmax_backward),
+    ("ch02.attention_cost", attention_cost)])
+def test_the_notebooks_solutions_pass_with_the_watch_on(key, fn):
+    for cases in [None] + [hidden_cases(key, seed) for seed in range(5)]:
+        judgement = run_exercise(get(key), fn, cases)
+        assert judgement.passed, (judgement.banned, [(r.name, r.message) for r in
+                                                     judgement.results if not r.passed])
 
 
-@pytest.mark.parametrize("name", sorted(REFERENCE))
-def test_stub_fails_every_case(name):
-    outcome = results(name, stub)
-    assert outcome and not any(outcome.values()), outcome
-    with pytest.raises(ExerciseFailed):
-        check(name, stub)
+# --- attention_scores --------------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:The use of `x.T`")
+def test_attention_scores_mistakes():
+    key, first = "ch02.attention_scores", "B=2, H=3, Tq=Tk=5, D=8, float32"
+    assert_fails(key, lambda q, k, scale=None: q @ k.transpose(-2, -1), first,
+                 hint="you did not scale")
+    assert_fails(key, lambda q, k, scale=None: q @ k.transpose(-2, -1) / q.shape[-1], first,
+                 hint="divide by D instead")
+    assert_fails(key, lambda q, k, scale=None: q @ k.transpose(-2, -1) / math.sqrt(q.shape[-2]),
+                 "default scale is 1/sqrt(D), D=16, T=4", hint="1/sqrt(T)")
+    assert_fails(key, lambda q, k, scale=None: q @ k.transpose(-2, -1) * math.sqrt(q.shape[-1]),
+                 first, hint="multiply by sqrt(D)")
+    assert_fails(key, lambda q, k, scale=None: attention_scores(q, k), "custom scale=0.5",
+                 hint="ignore the scale argument")
+    assert_fails(key, lambda q, k, scale=None: attention_scores(q, k) if scale is None else
+                 q @ k.transpose(-2, -1) / scale, "custom scale=0.5", hint="divide by the scale")
+    # k.T reverses every axis of a 4-d tensor: an error, and the case's hint says which axes
+    assert_fails(key, lambda q, k, scale=None: q @ k.T / math.sqrt(q.shape[-1]),
+                 "Tq=4 != Tk=9: shape (B, H, Tq, Tk)", hint="transpose only the last two axes",
+                 message="RuntimeError")
 
 
-# --- attention_scores ---------------------------------------------------------------------------
-
-def test_scores_scaled_by_sqrt_of_length_fails_the_head_dim_case():
-    def by_length(q, k, scale=None):
-        scale = 1.0 / math.sqrt(k.shape[-2]) if scale is None else scale
-        return q @ k.transpose(-2, -1) * scale
-    assert "default scale is 1/sqrt(D), D=16, T=4" in failed("ch02.attention_scores", by_length)
+def test_attention_scores_may_not_call_a_library_attention():
+    def through_the_package(q, k, scale=None):
+        return course_attn.attention_weights(q, k, scale=scale).log()
+    assert_banned("ch02.attention_scores", through_the_package, "course_attn")
 
 
-def test_scores_scaled_by_one_over_d_fails():
-    def by_d(q, k, scale=None):
-        scale = 1.0 / q.shape[-1] if scale is None else scale
-        return q @ k.transpose(-2, -1) * scale
-    assert "B=2, H=3, Tq=Tk=5, D=8, float32" in failed("ch02.attention_scores", by_d)
+# --- stable_softmax ----------------------------------------------------------------------------
 
+def test_stable_softmax_mistakes():
+    key = "ch02.stable_softmax"
 
-def test_scores_ignoring_scale_fails_the_custom_scale_case():
-    def ignores_scale(q, k, scale=None):
-        return q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    assert failed("ch02.attention_scores", ignores_scale) == {"custom scale=0.5"}
-
-
-def test_scores_with_k_dot_T_fails_the_rectangular_case():
-    def all_axes_transposed(q, k, scale=None):
-        # k.mT would be right; permuting every axis is the mistake
-        return q @ k.permute(*reversed(range(k.dim()))) / math.sqrt(q.shape[-1])
-    assert "Tq=4 != Tk=9: shape (B, H, Tq, Tk)" in failed("ch02.attention_scores",
-                                                            all_axes_transposed)
-
-
-def test_scores_cast_to_float32_fails_the_float64_case():
-    def casts(q, k, scale=None):
-        return attention_scores(q.float(), k.float(), scale)
-    assert failed("ch02.attention_scores", casts) == {"float64 in, float64 out"}
-
-
-def test_scores_written_for_four_axes_only_fails_the_rank3_case():
-    def four_axes(q, k, scale=None):
-        scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
-        return torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    assert failed("ch02.attention_scores", four_axes) == {"no head axis: (B, Tq, D), (B, Tk, D)"}
-
-
-# --- stable_softmax -----------------------------------------------------------------------------
-
-def test_naive_softmax_fails_the_large_input_cases():
     def naive(x, dim=-1):
-        e = torch.exp(x)
+        e = x.exp()
         return e / e.sum(dim=dim, keepdim=True)
-    wrong = failed("ch02.stable_softmax", naive)
-    assert {"large inputs ~ +1000 (float32)", "large negative inputs ~ -1000 (float64)",
-            "a row that is all -inf gives zeros, not NaN"} <= wrong
-    assert "random (4, 6), over the last axis" not in wrong
 
-
-def test_max_subtraction_without_guard_fails_only_the_all_minus_inf_row():
     def unguarded(x, dim=-1):
-        e = torch.exp(x - x.amax(dim=dim, keepdim=True))
+        e = (x - x.amax(dim=dim, keepdim=True)).exp()
         return e / e.sum(dim=dim, keepdim=True)
-    assert failed("ch02.stable_softmax", unguarded) == {"a row that is all -inf gives zeros, not NaN"}
 
+    def global_max(x, dim=-1):
+        e = (x - x.max()).exp()
+        return e / e.sum(dim=dim, keepdim=True)
 
-def test_torch_softmax_fails_only_the_all_minus_inf_row():
-    assert failed("ch02.stable_softmax", torch.softmax) == {
-        "a row that is all -inf gives zeros, not NaN"}
-
-
-def test_softmax_over_the_last_axis_always_fails_the_dim_case():
-    def last_axis(x, dim=-1):
-        return stable_softmax(x, dim=-1)
-    assert failed("ch02.stable_softmax", last_axis) == {"(3, 5, 4) over dim=1"}
-
-
-def test_softmax_max_without_keepdim_fails():
     def no_keepdim(x, dim=-1):
-        e = torch.exp(x - x.amax(dim=dim))
+        e = (x - x.amax(dim=dim)).exp()
         return e / e.sum(dim=dim)
-    assert "random (4, 6), over the last axis" in failed("ch02.stable_softmax", no_keepdim)
+
+    def last_axis(x, dim=-1):
+        return stable_softmax(x)
+
+    assert_fails(key, naive, "large inputs ~ +1000 (float32)", hint="without subtracting",
+                 message="NaN")
+    assert_fails(key, unguarded, "a row that is all -inf gives zeros, not NaN",
+                 hint="all -inf gives NaN")
+    assert_fails(key, global_max, "rows of very different sizes (~ +1000, ~ 0, ~ -1000)",
+                 hint="the whole tensor")
+    assert_fails(key, no_keepdim, "a square (5, 5) input", hint="no keepdim=True")
+    assert_fails(key, no_keepdim, "random (4, 6), over the last axis",
+                 hint="divide by the sum over dim (keepdim=True)", message="RuntimeError")
+    assert_fails(key, last_axis, "(3, 5, 4) over dim=1", hint="the dim you were given")
 
 
-# --- attention ----------------------------------------------------------------------------------
-
-def test_attention_softmax_over_queries_fails():
-    def over_queries(q, k, v, scale=None):
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-2) @ v
-    assert "B=2, H=3, Tq=Tk=6, D=8, float32" in failed("ch02.attention", over_queries)
-
-
-def test_attention_scaled_by_value_dim_fails_the_dv_case():
-    def by_dv(q, k, v, scale=None):
-        scale = 1.0 / math.sqrt(v.shape[-1]) if scale is None else scale
-        return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v
-    assert failed("ch02.attention", by_dv) == {"D=8 != Dv=3"}
+def test_stable_softmax_may_not_call_a_library_softmax():
+    # the one-line shortcut of the issue: right answers, but a forbidden call
+    shortcut = lambda x, dim=-1: torch.softmax(x, dim=dim).nan_to_num(0.0)  # noqa: E731
+    assert run_exercise(get("ch02.stable_softmax"), shortcut, watch_banned=False).passed
+    assert_banned("ch02.stable_softmax", shortcut, "torch.softmax")
+    assert_banned("ch02.stable_softmax", lambda x, dim=-1: x.softmax(dim).nan_to_num(0.0),
+                  "torch.Tensor.softmax")
+    assert_banned("ch02.stable_softmax", lambda x, dim=-1: course_attn.softmax(x, dim),
+                  "course_attn")
+    assert_banned("ch02.stable_softmax",
+                  lambda x, dim=-1: F.log_softmax(x, dim=dim).exp().nan_to_num(0.0),
+                  "log_softmax")
 
 
-def test_attention_with_naive_softmax_fails_the_large_scores_case():
-    def naive(q, k, v, scale=None):
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        e = torch.exp(q @ k.transpose(-2, -1) * scale)
-        return e / e.sum(dim=-1, keepdim=True) @ v
-    assert failed("ch02.attention", naive) == {"large scores (|q kᵀ| ~ 1000s, float64)"}
+# --- attention ---------------------------------------------------------------------------------
 
+def test_attention_mistakes():
+    key, first = "ch02.attention", "B=2, H=3, Tq=Tk=6, D=8, float32"
 
-def test_attention_without_scaling_fails():
     def unscaled(q, k, v, scale=None):
         return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
-    wrong = failed("ch02.attention", unscaled)
-    assert "B=2, H=3, Tq=Tk=6, D=8, float32" in wrong
-    assert "custom scale=0.3" in wrong
+
+    def over_queries(q, k, v, scale=None):
+        return torch.softmax(attention_scores(q, k, scale), dim=-2) @ v
+
+    def scale_from_v(q, k, v, scale=None):
+        scale = 1 / math.sqrt(v.shape[-1]) if scale is None else scale
+        return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v
+
+    def naive(q, k, v, scale=None):
+        e = attention_scores(q, k, scale).exp()
+        return e / e.sum(dim=-1, keepdim=True) @ v
+
+    assert_fails(key, unscaled, first, hint="did not scale")
+    assert_fails(key, over_queries, first, hint="over the queries")
+    assert_fails(key, scale_from_v, "D=8 != Dv=3", hint="1/sqrt(Dv)")
+    assert_fails(key, lambda q, k, v, scale=None: attention(q, k, v), "custom scale=0.3",
+                 hint="ignore the scale argument")
+    assert_fails(key, lambda q, k, v, scale=None: attention(q, k, v, math.sqrt(q.shape[-1])
+                                                            if scale is None else scale),
+                 first, hint="multiply the scores by sqrt(D)")
+    assert_fails(key, naive, "large scores (|q kᵀ| ~ 1000s, float64)", hint="subtract the row "
+                 "maximum", message="NaN")
 
 
-def test_attention_returning_weights_fails_on_shape():
-    def weights_only(q, k, v, scale=None):
-        return torch.softmax(attention_scores(q, k, scale), dim=-1)
-    assert "D=8 != Dv=3" in failed("ch02.attention", weights_only)
+def test_attention_may_not_call_a_library_attention():
+    one_line = lambda q, k, v, scale=None: F.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, scale=scale)
+    assert run_exercise(get("ch02.attention"), one_line, watch_banned=False).passed
+    assert_banned("ch02.attention", one_line, "torch.nn.functional.scaled_dot_product_attention")
+    assert_banned("ch02.attention", lambda q, k, v, scale=None:
+                  course_attn.scaled_dot_product_attention(q, k, v, scale=scale), "course_attn")
+
+
+# --- softmax_backward --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape, dim", [((4, 6), -1), ((3, 5, 4), 1), ((6, 3), 0),
+                                        ((2, 3, 4, 5), -2)])
+def test_the_softmax_backward_reference_is_what_autograd_computes(shape, dim):
+    generator = torch.Generator().manual_seed(sum(shape))
+    x = (3 * torch.randn(*shape, generator=generator, dtype=torch.float64)).requires_grad_()
+    g = torch.randn(*shape, generator=generator, dtype=torch.float64)
+    y = torch.softmax(x, dim=dim)
+    y.backward(g)
+    reference = get("ch02.softmax_backward").reference
+    torch.testing.assert_close(reference(y.detach(), g, dim), x.grad)
+
+
+def test_every_softmax_backward_case_agrees_with_autograd():
+    """Each case's y is a softmax of some x (x = log y up to a constant, -inf where y = 0): the
+    expected answer is autograd's gradient at that x."""
+    exercise = get("ch02.softmax_backward")
+    for case in exercise.public_cases() + hidden_cases(exercise.key, 0):
+        y, g = case.args
+        dim = case.kwargs.get("dim", -1)
+        x = y.double().log().requires_grad_()
+        torch.softmax(x, dim=dim).backward(g.double())
+        torch.testing.assert_close(exercise.expected(case).double(), x.grad.nan_to_num(0.0),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_backward_mistakes():
+    key, first = "ch02.softmax_backward", "y, g of shape (4, 6), over the last axis"
+    assert_fails(key, lambda y, g, dim=-1: y * (1 - y) * g, first, hint="only the diagonal")
+    assert_fails(key, lambda y, g, dim=-1: y * g, first, hint="(y ⊙ g)")
+    assert_fails(key, lambda y, g, dim=-1: y * (g - g.sum(dim=dim, keepdim=True)), first,
+                 hint="the plain sum of g")
+    assert_fails(key, lambda y, g, dim=-1: g - (g * y).sum(dim=dim, keepdim=True), first,
+                 hint="the factor y_j")
+    assert_fails(key, lambda y, g, dim=-1: y * ((g * y).sum(dim=dim, keepdim=True) - g), first,
+                 hint="the sign is flipped")
+    assert_fails(key, lambda y, g, dim=-1: y * (g - (g * y).sum(dim=dim)), "a square (5, 5) input",
+                 hint="no keepdim=True")
+    assert_fails(key, lambda y, g, dim=-1: softmax_backward(y, g), "(3, 5, 4), dim=1",
+                 hint="always sum over the last axis")
+    # y ⊙ g is not zero when g is the same everywhere: the case for it names the mistake
+    assert_fails(key, lambda y, g, dim=-1: y * g,
+                 "the same upstream gradient for every key: dL/dx = 0", hint="(y ⊙ g)")
+
+
+def test_softmax_backward_may_not_call_autograd():
+    key = "ch02.softmax_backward"
+
+    def with_backward(y, g, dim=-1):
+        x = y.log().detach().requires_grad_()
+        torch.softmax(x, dim=dim).backward(g)
+        return x.grad.nan_to_num(0.0)
+
+    def with_grad(y, g, dim=-1):
+        x = y.log().detach().requires_grad_()
+        return torch.autograd.grad(torch.softmax(x, dim=dim), x, g)[0].nan_to_num(0.0)
+
+    def with_vjp(y, g, dim=-1):
+        _, vjp = torch.func.vjp(lambda x: torch.softmax(x, dim=dim), y.log())
+        return vjp(g)[0].nan_to_num(0.0)
+
+    def with_the_internal_op(y, g, dim=-1):
+        return torch._softmax_backward_data(g, y, dim, y.dtype)
+
+    assert run_exercise(get(key), with_backward, watch_banned=False).passed
+    assert_banned(key, with_backward, "torch.Tensor.backward")
+    assert_banned(key, with_grad, "torch.autograd.grad")
+    assert_banned(key, with_vjp, "torch.func.vjp")
+    assert_banned(key, with_the_internal_op, "torch._softmax_backward_data")
+
+
+# --- attention_cost ----------------------------------------------------------------------------
+
+def test_attention_cost_at_8k_context_is_the_round_numbers():
+    """B=1, H=32, T=8192, D=128, float16: 2**40 FLOPs (≈ 1.1 TFLOP), scores of 2**32 bytes
+    (4 GiB), q, k, v and the output 2**28 bytes (256 MiB), 16 times less."""
+    exercise = get("ch02.attention_cost")
+    case = exercise.public_cases()[0]
+    assert case.args == (1, 32, 8192, 8192, 128, 128, 2)
+    assert exercise.expected(case) == {"flops": 2**40, "score_bytes": 2**32, "io_bytes": 2**28}
+
+
+def test_attention_cost_mistakes():
+    key = "ch02.attention_cost"
+    first = "B=1, H=32, T=8192, D=128, float16 (one layer of a 7B model, 8k context)"
+    batch = "B=4, H=8, Tq=Tk=1024, D=64, float32"
+    cache = "Tq=16 != Tk=4096, D=128, Dv=64, bfloat16 (a chunk of queries against a cache)"
+
+    def cost(flops=None, score=None, io=None):
+        def fn(b, h, tq, tk, d, dv, e):
+            right = attention_cost(b, h, tq, tk, d, dv, e)
+            sizes = (b, h, tq, tk, d, dv, e)
+            return {"flops": flops(*sizes) if flops else right["flops"],
+                    "score_bytes": score(*sizes) if score else right["score_bytes"],
+                    "io_bytes": io(*sizes) if io else right["io_bytes"]}
+        return fn
+
+    multiply_add_as_one = cost(flops=lambda b, h, tq, tk, d, dv, e: b * h * tq * tk * (d + dv))
+    only_scores = cost(flops=lambda b, h, tq, tk, d, dv, e: 2 * b * h * tq * tk * d)
+    # with D == Dv the ways to get half the FLOPs give one number: one hint names them all
+    assert_fails(key, multiply_add_as_one, first, hint="your FLOPs are half the count")
+    assert_fails(key, only_scores, first, hint="your FLOPs are half the count")
+    assert_fails(key, multiply_add_as_one, cache, hint="a multiply-add as 1 FLOP",
+                 message="0.5 times")
+    assert_fails(key, only_scores, cache, hint="only the scores q kᵀ")
+    assert_fails(key, cost(flops=lambda b, h, tq, tk, d, dv, e: 4 * b * h * tq * tk * d), cache,
+                 hint="use D for both products")
+    assert_fails(key, lambda b, h, tq, tk, d, dv, e: attention_cost(b, 1, tq, tk, d, dv, e), first,
+                 hint="left out the heads")
+    assert_fails(key, lambda b, h, tq, tk, d, dv, e: attention_cost(1, h, tq, tk, d, dv, e), batch,
+                 hint="left out the batch")
+    assert_fails(key, lambda b, h, tq, tk, d, dv, e: attention_cost(b, h, tq, tk, d, dv, 1), first,
+                 hint="counted numbers, not bytes")
+    assert_fails(key, lambda b, h, tq, tk, d, dv, e: attention_cost(b, h, tq, tk, d, dv, 4), first,
+                 hint="4 bytes a number")
+    assert_fails(key, cost(io=lambda b, h, tq, tk, d, dv, e: 3 * b * h * tq * d * e), first,
+                 hint="leave out the output")
+    assert_fails(key, cost(io=lambda b, h, tq, tk, d, dv, e: 4 * b * h * tq * d * e), cache,
+                 hint="the size of q")
+    assert_fails(key, lambda *sizes: list(attention_cost(*sizes).values()), first,
+                 message="should be a dict")
+
+
+def test_a_wrong_cost_is_reported_as_a_ratio_not_as_the_answer():
+    exercise = get("ch02.attention_cost")
+    wrong = lambda *sizes: {**attention_cost(*sizes), "flops": 1}  # noqa: E731
+    result = run_exercise(exercise, wrong).results[0]
+    assert "times the expected" in result.message and str(2**40) not in result.message
+
+
+def test_attention_cost_may_not_use_the_package():
+    def with_the_package(b, h, tq, tk, d, dv, e):
+        course_attn.causal_mask(1)
+        return attention_cost(b, h, tq, tk, d, dv, e)
+    assert_banned("ch02.attention_cost", with_the_package, "course_attn")

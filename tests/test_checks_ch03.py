@@ -1,175 +1,370 @@
-"""Chapter 3 checks: the reference solutions pass; typical mistakes fail the case meant for them."""
+"""Chapter 3's exercises: the references pass every case (hidden ones too), each typical mistake
+fails the case meant for it with its own hint, and a banned call is reported by name.
 
+The wrong solutions below are written as a student would write them; each test names the case
+it must fail and a fragment of the hint it must get.
+"""
+
+import math
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
-import course_attn as ca
-from course_attn.grading import ExerciseFailed, check, run_checks
+import course_attn
+from course_attn.grading import ExerciseFailed, check, get, run_exercise
+from course_attn.grading.exercise import hidden_cases, load_hidden
 
-SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions" / "03_masking.ipynb"
-NAMES = ["ch03.causal_mask", "ch03.padding_mask", "ch03.masked_attention"]
-
-
-def results(name, fn) -> dict[str, bool]:
-    """Case name -> passed, for exercise ``name`` run on ``fn``."""
-    return {r.name: r.passed for r in run_checks(name, fn).results}
-
-
-def failed(name, fn) -> set[str]:
-    return {case for case, passed in results(name, fn).items() if not passed}
+SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
+KEYS = ["ch03.causal_mask", "ch03.padding_mask", "ch03.masked_attention", "ch03.document_mask",
+        "ch03.fp16_fill"]
+WITHOUT_HIDDEN_CASES = {"ch03.fp16_fill"}  # fixed predictions: nothing to draw
+load_hidden(SOLUTIONS)
 
 
-def solution_functions() -> dict[str, object]:
-    """The functions that solutions/03_masking.ipynb defines, by exercise name."""
-    notebook = nbformat.read(SOLUTIONS, as_version=4)
-    namespace: dict = {}
-    for cell in notebook.cells:
-        meta = cell.metadata.get("nbgrader", {})
-        is_setup = meta.get("grade_id") == "ch03-setup"
-        if cell.cell_type == "code" and (meta.get("solution") or is_setup):
-            exec(compile(cell.source, str(SOLUTIONS), "exec"), namespace)
-    return {name: namespace[name.split(".", 1)[1]] for name in NAMES}
+# --- helpers (the same in test_checks_ch02.py and test_checks_ch03.py) ---------------------------
+
+def results(key, fn, cases=None, watch=True):
+    return {r.name: r for r in run_exercise(get(key), fn, cases, watch_banned=watch).results}
 
 
-PACKAGE = {
-    "ch03.causal_mask": ca.causal_mask,
-    "ch03.padding_mask": ca.padding_mask,
-    "ch03.masked_attention": lambda q, k, v, mask: ca.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask),
-}
+def mistake_hint(key, fragment):
+    """The hint of ``key``'s typical mistake whose hint contains ``fragment``."""
+    hints = [m.hint for m in get(key).mistakes if fragment in m.hint]
+    assert hints, f"{key}: no typical mistake whose hint contains {fragment!r}"
+    return hints[0]
 
 
-def stub(*args, **kwargs):
+def assert_fails(key, fn, case, hint=None, message=None):
+    """``fn`` fails ``case``; with the hint of the typical mistake ``hint`` names (a fragment of
+    it), or a hint containing ``hint`` when no mistake has it; ``message`` in the message."""
+    found = results(key, fn)
+    assert case in found, f"no case named {case!r}; cases: {sorted(found)}"
+    result = found[case]
+    assert not result.passed, f"{key}: {case!r} should fail"
+    if hint is not None:
+        mistakes = [m.hint for m in get(key).mistakes if hint in m.hint]
+        expected = mistakes[0] if mistakes else None
+        assert (result.hint == expected) if expected else (hint in result.hint), \
+            f"{key}, {case!r}: hint {result.hint!r}, wanted the one about {hint!r} " \
+            f"(message: {result.message!r})"
+    if message is not None:
+        assert message in result.message, result.message
+
+
+def assert_banned(key, fn, name):
+    """A call of ``name`` is reported by the judgement, and check() raises naming it."""
+    judgement = run_exercise(get(key), fn)
+    assert any(name in hit for hit in judgement.banned), judgement.banned
+    assert not judgement.passed and name in judgement.reason()
+    with pytest.raises(ExerciseFailed, match="does not allow"):
+        check(key, fn)
+
+
+def assert_mistakes_name_themselves(key, hidden=True):
+    """Every typical mistake fails a public case with its own hint (and a hidden case too); where
+    another mistake's hint shows instead, the two give the very same answer on that case."""
+    exercise = get(key)
+    by_hint = {m.hint: m for m in exercise.mistakes}
+    cases = {c.name: c for c in exercise.public_cases()}
+    for mistake in exercise.mistakes:
+        failed = [r for r in run_exercise(exercise, mistake.fn, watch_banned=False).results
+                  if not r.passed]
+        assert any(r.hint == mistake.hint for r in failed), \
+            f"{key}: no public case names {mistake.hint!r}"
+        for r in failed:
+            if r.hint != mistake.hint and r.hint in by_hint:
+                case = cases[r.name]
+                exercise.compare(mistake.fn(*case.args, **dict(case.kwargs)),
+                                 by_hint[r.hint].fn(*case.args, **dict(case.kwargs)), None)
+        caught = (not run_exercise(exercise, mistake.fn, hidden_cases(key, seed),
+                                   watch_banned=False).passed for seed in range(10))
+        assert not hidden or any(caught), f"{key}: no hidden case catches {mistake.hint!r}"
+
+
+def not_implemented(*args, **kwargs):
     raise NotImplementedError()
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_package_reference_passes_every_case(name):
-    outcome = results(name, PACKAGE[name])
-    assert 4 <= len(outcome) <= 8
-    assert all(outcome.values()), outcome
+@pytest.mark.parametrize("key", KEYS)
+def test_the_reference_passes_public_and_hidden_cases(key):
+    exercise = get(key)
+    assert run_exercise(exercise, exercise.reference, watch_banned=False).passed
+    for seed in range(10):
+        cases = hidden_cases(key, seed)
+        assert bool(cases) != (key in WITHOUT_HIDDEN_CASES), key
+        if cases:
+            judgement = run_exercise(exercise, exercise.reference, cases, watch_banned=False)
+            assert judgement.passed, [(r.name, r.message) for r in judgement.results]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_notebook_solution_passes_every_case(name):
-    solution = solution_functions()[name]
-    outcome = results(name, solution)
-    assert all(outcome.values()), outcome
-    check(name, solution)
+@pytest.mark.parametrize("key", KEYS)
+def test_every_typical_mistake_names_itself(key):
+    assert_mistakes_name_themselves(key, hidden=key not in WITHOUT_HIDDEN_CASES)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_stub_fails_every_case(name):
-    outcome = results(name, stub)
-    assert outcome and not any(outcome.values()), outcome
-    with pytest.raises(ExerciseFailed):
-        check(name, stub)
+@pytest.mark.parametrize("key", KEYS)
+def test_an_unanswered_exercise_is_not_answered_yet(key, capsys):
+    assert run_exercise(get(key), not_implemented).not_implemented
+    check(key, not_implemented)  # does not raise
+    assert "not answered yet" in capsys.readouterr().out
 
 
-def test_solution_notebook_points_add_up_to_ten():
-    notebook = nbformat.read(SOLUTIONS, as_version=4)
-    graded = [c.metadata["nbgrader"] for c in notebook.cells
-              if c.metadata.get("nbgrader", {}).get("grade")]
-    assert [g["grade_id"] for g in graded] == [n.replace(".", "-") for n in NAMES]
-    assert sum(g["points"] for g in graded) == 10
+# --- solutions as in solutions/03_masking.ipynb ---------------------------------------------------
+
+def causal_mask(tq, tk):
+    query_positions = torch.arange(tq)[:, None] + (tk - tq)
+    return torch.arange(tk)[None, :] <= query_positions
 
 
-# --- causal_mask --------------------------------------------------------------------------------
-
-def test_top_left_causal_mask_fails_the_unequal_lengths_cases():
-    def top_left(tq, tk):
-        return torch.ones(tq, tk, dtype=torch.bool).tril()
-    wrong = failed("ch03.causal_mask", top_left)
-    assert "fewer queries than keys, Tq=3, Tk=6" in wrong
-    assert "one new query, many cached keys, Tq=1, Tk=5" in wrong
-    assert "more queries than keys, Tq=5, Tk=3" in wrong
-    assert "square, Tq=Tk=4" not in wrong
+def padding_mask(lengths, t):
+    return (torch.arange(t, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
 
 
-def test_mask_without_the_diagonal_fails_the_square_case():
-    def strict(tq, tk):
-        return torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=tk - tq - 1)
-    assert {"square, Tq=Tk=4", "Tq=Tk=1"} <= failed("ch03.causal_mask", strict)
+def masked_attention(q, k, v, mask):
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0) @ v
 
 
-def test_float_mask_fails_the_dtype_case():
-    def as_float(tq, tk):
-        return torch.ones(tq, tk).tril(diagonal=tk - tq)
-    assert "returns a bool tensor of shape (Tq, Tk)" in failed("ch03.causal_mask", as_float)
+def document_mask(doc_ids):
+    same_document = doc_ids[:, :, None] == doc_ids[:, None, :]
+    not_padding = (doc_ids >= 0)[:, :, None]
+    t = doc_ids.shape[-1]
+    return (same_document & not_padding & causal_mask(t, t))[:, None]
 
 
-# --- padding_mask -------------------------------------------------------------------------------
-
-def test_off_by_one_padding_mask_fails():
-    def inclusive(lengths, t):
-        return (torch.arange(t)[None, :] <= lengths[:, None])[:, None, None, :]
-    wrong = failed("ch03.padding_mask", inclusive)
-    assert {"lengths [3, 1, 4], T=5", "a length of 0 and a length of T"} <= wrong
+def fp16_fill():
+    return {"minus_1e9_in_fp16": -math.inf, "masked_fill_fp16": "error",
+            "dead_row_fp16_minus_1e9": [math.nan] * 4,
+            "dead_row_fp16_min": [1 / 3, 1 / 3, 0.0, 1 / 3],
+            "dead_row_fp32_minus_1e9": [0.25] * 4}
 
 
-def test_padding_mask_without_broadcast_axes_fails_the_shape_case():
-    def flat(lengths, t):
-        return torch.arange(t)[None, :] < lengths[:, None]
-    assert "returns bool of shape (B, 1, 1, T)" in failed("ch03.padding_mask", flat)
+@pytest.mark.parametrize("key, fn", [
+    ("ch03.causal_mask", causal_mask), ("ch03.padding_mask", padding_mask),
+    ("ch03.masked_attention", masked_attention), ("ch03.document_mask", document_mask),
+    ("ch03.fp16_fill", fp16_fill)])
+def test_the_notebooks_solutions_pass_with_the_watch_on(key, fn):
+    for cases in [None] + [hidden_cases(key, seed) or None for seed in range(5)]:
+        judgement = run_exercise(get(key), fn, cases)
+        assert judgement.passed, (judgement.banned, [(r.name, r.message) for r in
+                                                     judgement.results if not r.passed])
 
 
-def test_padding_mask_that_marks_the_padding_fails():
-    def inverted(lengths, t):
-        return (torch.arange(t)[None, :] >= lengths[:, None])[:, None, None, :]
-    assert "lengths [3, 1, 4], T=5" in failed("ch03.padding_mask", inverted)
+# --- causal_mask -------------------------------------------------------------------------------
+
+def test_causal_mask_mistakes():
+    key, square = "ch03.causal_mask", "square, Tq=Tk=4"
+    fewer = "fewer queries than keys, Tq=3, Tk=6"
+    assert_fails(key, lambda tq, tk: torch.ones(tq, tk, dtype=torch.bool).tril(), fewer,
+                 hint="aligned top-left")
+    assert_fails(key, lambda tq, tk: torch.ones(tq, tk, dtype=torch.bool).triu(), square,
+                 hint="the wrong triangle")
+    assert_fails(key, lambda tq, tk: torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq - 1),
+                 square, hint="leaves out the diagonal")
+    assert_fails(key, lambda tq, tk: torch.ones(tq, tk, dtype=torch.bool).triu(tk - tq + 1),
+                 square, hint="may NOT attend")
+    assert_fails(key, lambda tq, tk: torch.ones(tq, tk).tril(tk - tq), square,
+                 hint="0/1 numbers", message="dtype")
+    assert_fails(key, lambda tq, tk: torch.zeros(tq, tk).masked_fill(
+        ~causal_mask(tq, tk), float("-inf")), square, hint="additive float mask")
 
 
-# --- masked_attention ---------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:Lower right causal bias")
+def test_causal_mask_may_not_call_a_ready_made_mask():
+    assert_banned("ch03.causal_mask", lambda tq, tk: course_attn.causal_mask(tq, tk),
+                  "course_attn")
+
+    def from_pytorch(tq, tk):
+        return causal_lower_right(tq, tk)._materialize()
+    assert_banned("ch03.causal_mask", from_pytorch, "causal_lower_right")
+
+
+# --- padding_mask ------------------------------------------------------------------------------
+
+def test_padding_mask_mistakes():
+    key, first = "ch03.padding_mask", "lengths [3, 1, 4], T=5"
+    assert_fails(key, lambda lengths, t: torch.arange(t)[None, :] < lengths[:, None], first,
+                 hint="shape (B, T)", message="shape")
+    assert_fails(key, lambda lengths, t: ~padding_mask(lengths, t), first,
+                 hint="True on the padding")
+    assert_fails(key, lambda lengths, t: (torch.arange(t)[None, :] <= lengths[:, None])
+                 [:, None, None], "a length of 0 and a length of T", hint="not j <= lengths[b]")
+    assert_fails(key, lambda lengths, t: (torch.arange(t)[None, :] < lengths[:, None] - 1)
+                 [:, None, None], first, hint="not j < lengths[b] - 1")
+    assert_fails(key, lambda lengths, t: padding_mask(lengths, t).transpose(-2, -1), first,
+                 hint="it hides queries")
+
+
+def test_padding_mask_may_not_call_the_package():
+    assert_banned("ch03.padding_mask", course_attn.padding_mask, "course_attn")
+
+
+# --- masked_attention --------------------------------------------------------------------------
 
 def _scores(q, k):
-    return q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    return q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
 
 
-def test_plain_softmax_fails_only_the_fully_masked_cases():
-    def nan_on_dead_rows(q, k, v, mask):
-        return torch.softmax(_scores(q, k).masked_fill(~mask, float("-inf")), dim=-1) @ v
-    wrong = failed("ch03.masked_attention", nan_on_dead_rows)
-    assert wrong == {"a sequence of length 0: fully masked rows give zeros, not NaN",
-                     "Tq=6 != Tk=4, Dv=3, random mask with dead rows"}
+def test_masked_attention_mistakes():
+    key = "ch03.masked_attention"
+    empty = "a sequence of length 0: fully masked rows give zeros, not NaN"
+    first = "causal (T, T) mask, B=2, H=3, T=5, D=8"
+
+    def fill(value):
+        return lambda q, k, v, mask: torch.softmax(_scores(q, k).masked_fill(~mask, value),
+                                                   dim=-1) @ v
+
+    assert_fails(key, fill(-1e9), empty, hint="gets the mean of the values")
+    assert_fails(key, fill(torch.finfo(torch.float32).min), empty,
+                 hint="gets the mean of the values")
+    assert_fails(key, fill(float("-inf")), empty, hint="gives NaN", message="NaN")
+    assert_fails(key, lambda q, k, v, mask: masked_attention(q, k, v, ~mask), first,
+                 hint="where the mask is True")
+    assert_fails(key, lambda q, k, v, mask: masked_attention(q * math.sqrt(q.shape[-1]), k, v,
+                                                             mask), first, hint="did not scale")
+    assert_fails(key, lambda q, k, v, mask: torch.softmax(_scores(q, k) + mask.float(), dim=-1)
+                 @ v, first, hint="as numbers (0/1)")
+    assert_fails(key, lambda q, k, v, mask: torch.softmax(_scores(q, k), dim=-1) * mask @ v,
+                 first, hint="after the softmax")
+    assert results(key, fill(-1e9))[first].passed  # the fill only matters for empty rows
 
 
-def test_softmax_without_max_subtraction_fails_the_large_scores_case():
-    def overflowing(q, k, v, mask):
-        e = torch.exp(_scores(q, k)) * mask
-        total = e.sum(-1, keepdim=True)
-        return e / torch.where(total == 0, torch.ones_like(total), total) @ v
-    wrong = failed("ch03.masked_attention", overflowing)
-    assert "large scores (|q kᵀ/√D| in the hundreds)" in wrong
-    assert "causal (T, T) mask, B=2, H=3, T=5, D=8" not in wrong
+def test_masked_attention_may_not_call_a_library_attention():
+    one_line = lambda q, k, v, mask: F.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, attn_mask=mask).nan_to_num(0.0)
+    assert_banned("ch03.masked_attention", one_line,
+                  "torch.nn.functional.scaled_dot_product_attention")
+    assert_banned("ch03.masked_attention", lambda q, k, v, mask:
+                  course_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                  "course_attn")
 
 
-def test_inverted_mask_fails():
-    def inverted(q, k, v, mask):
-        weights = torch.softmax(_scores(q, k).masked_fill(mask, float("-inf")), dim=-1)
-        return weights.nan_to_num(0.0) @ v
-    assert "causal (T, T) mask, B=2, H=3, T=5, D=8" in failed("ch03.masked_attention", inverted)
+# --- document_mask -----------------------------------------------------------------------------
+
+def test_the_document_mask_of_the_task_is_the_one_drawn_there():
+    drawn = ["1.....", "11....", "111...", "...1..", "...11.", "......"]
+    mask = get("ch03.document_mask").reference(torch.tensor([[0, 0, 0, 1, 1, -1]]))[0, 0]
+    assert ["".join("1" if x else "." for x in row) for row in mask.tolist()] == drawn
 
 
-def test_unscaled_scores_fail():
-    def unscaled(q, k, v, mask):
-        return ca.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
-    assert "causal (T, T) mask, B=2, H=3, T=5, D=8" in failed("ch03.masked_attention", unscaled)
+def test_the_document_mask_keeps_packed_documents_apart_in_attention():
+    """Attention over a pack with the document mask equals attention over each document alone."""
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, -1, -1]])
+    q, k, v = (torch.randn(1, 2, 10, 8, dtype=torch.float64) for _ in range(3))
+    packed = masked_attention(q, k, v, document_mask(doc_ids))
+    for start, end in ((0, 3), (3, 5), (5, 8)):
+        alone = course_attn.scaled_dot_product_attention(
+            q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], is_causal=True)
+        torch.testing.assert_close(packed[:, :, start:end], alone)
+    assert (packed[:, :, 8:] == 0).all()
 
 
-def test_computing_in_float32_fails_the_float64_case():
-    def float32_only(q, k, v, mask):
-        return ca.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
-    wrong = failed("ch03.masked_attention", float32_only)
-    assert wrong == {"float64 in, float64 out, causal & padding"}
+def test_document_mask_mistakes():
+    key, first = "ch03.document_mask", "three documents of lengths 3, 2, 3"
+    padded = "padding (-1) at the end attends to nothing and is never attended to"
+
+    def rule(fn):
+        return lambda ids: fn(ids[:, :, None], ids[:, None, :],
+                              causal_mask(ids.shape[1], ids.shape[1]))[:, None]
+
+    assert_fails(key, rule(lambda qi, kj, causal: causal & (qi >= 0) & (kj >= 0)), first,
+                 hint="earlier documents of the pack")
+    assert_fails(key, rule(lambda qi, kj, causal: (qi == kj) & (qi >= 0)), first,
+                 hint="later tokens of its own document")
+    assert_fails(key, rule(lambda qi, kj, causal: (qi == kj) & causal), padded,
+                 hint="padding positions (id -1)")
+    assert_fails(key, rule(lambda qi, kj, causal: (qi == kj) & (qi >= 0) & causal.tril(-1)), first,
+                 hint="leaves out the diagonal")
+    assert_fails(key, lambda ids: ~document_mask(ids), first, hint="True where attention is "
+                 "forbidden")
+    assert_fails(key, lambda ids: document_mask(ids)[:, 0], first, hint="shape (B, T, T)")
+    # "the same or an earlier id" is the causal mask while ids increase; with ids out of order
+    # no typical mistake gives its answer, and the case's own hint says what is wrong
+    assert_fails(key, rule(lambda qi, kj, causal: (kj <= qi) & causal & (kj >= 0)),
+                 "ids that are not 0, 1, 2 (7, 3, 12), int32", hint="only equality of ids")
 
 
-def test_finfo_min_fill_fails_the_fully_masked_cases():
-    def finite_fill(q, k, v, mask):
-        low = torch.finfo(q.dtype).min
-        return torch.softmax(_scores(q, k).masked_fill(~mask, low), dim=-1) @ v
-    wrong = failed("ch03.masked_attention", finite_fill)
-    assert "a sequence of length 0: fully masked rows give zeros, not NaN" in wrong
-    assert "causal (T, T) mask, B=2, H=3, T=5, D=8" not in wrong
+def test_document_mask_may_not_call_the_package():
+    def with_the_package(ids):
+        return document_mask(ids) & course_attn.causal_mask(ids.shape[1])
+    assert_banned("ch03.document_mask", with_the_package, "course_attn")
+
+
+# --- fp16_fill ---------------------------------------------------------------------------------
+
+def test_the_fp16_predictions_are_what_pytorch_does():
+    """The reference computes them; here they are checked against the facts they rest on."""
+    expected = get("ch03.fp16_fill").reference()
+    assert expected["minus_1e9_in_fp16"] == -math.inf
+    assert expected["masked_fill_fp16"] == "error"
+    assert all(math.isnan(w) for w in expected["dead_row_fp16_minus_1e9"])
+    low = torch.finfo(torch.float16).min
+    assert torch.tensor(low - 15.0).half().item() == low       # within half a spacing of 32
+    assert torch.tensor(low - 16.0).half().item() == -math.inf  # rounds past the end
+    assert expected["dead_row_fp16_min"] == pytest.approx([1 / 3, 1 / 3, 0.0, 1 / 3], abs=1e-3)
+    assert torch.tensor(-1e9 - 31.0).item() == -1e9             # float32 spacing 64 near 1e9
+    assert expected["dead_row_fp32_minus_1e9"] == [0.25] * 4
+
+
+def test_fp16_fill_mistakes():
+    key = "ch03.fp16_fill"
+
+    def predicting(**wrong):
+        return lambda: {**fp16_fill(), **wrong}
+
+    assert_fails(key, predicting(minus_1e9_in_fp16=-1e9), "(a) torch.tensor(-1e9).half()",
+                 hint="-1e9 survives the cast")
+    assert_fails(key, predicting(minus_1e9_in_fp16=-65504.0), "(a) torch.tensor(-1e9).half()",
+                 hint="saturates")
+    assert_fails(key, predicting(masked_fill_fp16=[-10.0, -math.inf, -20.0, 2.0]),
+                 "(b) scores.half().masked_fill(~allowed, -1e9)", hint="masked_fill rounds")
+    assert_fails(key, predicting(dead_row_fp16_minus_1e9=[0.0] * 4),
+                 "(c) a fully masked row in float16, fill -1e9", hint="guarded softmax")
+    assert_fails(key, predicting(dead_row_fp16_minus_1e9=[0.25] * 4),
+                 "(c) a fully masked row in float16, fill -1e9", hint="a uniform row, as in "
+                 "float32")
+    # the misconception carried through: -1e9 survives, so the row is uniform
+    wrong = predicting(minus_1e9_in_fp16=-1e9, dead_row_fp16_minus_1e9=[0.25] * 4)
+    assert_fails(key, wrong, "(c) a fully masked row in float16, fill -1e9",
+                 hint="-1e9 survives the cast")
+    assert_fails(key, predicting(dead_row_fp16_min=[0.25] * 4),
+                 "(d) a fully masked row in float16, fill finfo(float16).min",
+                 hint="every min + s rounds back")
+    scores = [-10.0, 5.0, -20.0, 2.0]
+    unchanged = [math.exp(s) / sum(math.exp(x) for x in scores) for s in scores]
+    assert_fails(key, predicting(dead_row_fp16_min=unchanged),
+                 "(d) a fully masked row in float16, fill finfo(float16).min",
+                 hint="in float16 each min + s")
+    assert_fails(key, predicting(dead_row_fp32_minus_1e9=unchanged),
+                 "(e) a fully masked row in float32, fill -1e9", hint="in float32 each -1e9 + s")
+    assert_fails(key, predicting(dead_row_fp32_minus_1e9=[math.nan] * 4),
+                 "(e) a fully masked row in float32, fill -1e9", hint="-1e9 is finite in float32")
+    # two wrong answers at once: each question's case says which is wrong
+    two = results(key, predicting(minus_1e9_in_fp16=-65504.0, dead_row_fp16_min=[0.25] * 4))
+    assert [name for name, r in two.items() if not r.passed] == [
+        "(a) torch.tensor(-1e9).half()", "(d) a fully masked row in float16, fill "
+        "finfo(float16).min"]
+    assert_fails(key, lambda: [-math.inf, "error"], "(a) torch.tensor(-1e9).half()",
+                 message="should return a dict")
+
+
+def test_fp16_fill_never_shows_the_right_answer():
+    key = "ch03.fp16_fill"
+    for result in run_exercise(get(key), lambda: {k: 12345.0 for k in
+                                                  get(key).reference()}).results:
+        assert not result.passed and "is not what PyTorch gives" in result.message
+        for answer in ("inf", "nan", "error", "0.25", "0.333"):
+            assert answer not in result.message
+
+
+def test_fp16_fill_is_a_prediction_not_a_computation():
+    def computed():
+        scores = torch.tensor([-10.0, 5.0, -20.0, 2.0])
+        return {**fp16_fill(), "minus_1e9_in_fp16": torch.tensor(-1e9).half().item(),
+                "dead_row_fp16_min": torch.softmax(scores.half() - 65504, -1).tolist()}
+    assert run_exercise(get("ch03.fp16_fill"), computed, watch_banned=False).passed
+    assert_banned("ch03.fp16_fill", computed, "torch.tensor")

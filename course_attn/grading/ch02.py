@@ -2,8 +2,8 @@
 
     ch02.attention_scores   q kᵀ · scale                 (…, Tq, D), (…, Tk, D) -> (…, Tq, Tk)
     ch02.stable_softmax     softmax that survives ±1000   any shape, over ``dim``
-    ch02.attention          softmax(q kᵀ · scale) v       (B, H, Tq, D), (B, H, Tk, D), (B, H, Tk, Dv)
-                                                          -> (B, H, Tq, Dv)
+    ch02.attention          softmax(q kᵀ · scale) v       (B, H, Tq, D), (B, H, Tk, D),
+                                                          (B, H, Tk, Dv) -> (B, H, Tq, Dv)
     ch02.softmax_backward   dL/dx from y = softmax(x) and g = dL/dy, any shape, over ``dim``
                             (derive: checked against autograd, which it may not call)
     ch02.attention_cost     the FLOPs and bytes of attention for given sizes -> dict

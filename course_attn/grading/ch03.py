@@ -215,7 +215,8 @@ def _document_cases():
 
 
 def _document_mistake(rule):
-    """A typical mistake: ``rule(ids, causal)`` with ids (B, T, 1) and (B, 1, T), -> (B, 1, T, T)."""
+    """A typical mistake: ``rule(query ids (B, T, 1), key ids (B, 1, T), causal (T, T))``, given
+    the head axis: (B, 1, T, T)."""
     def fn(doc_ids):
         causal = causal_mask(doc_ids.shape[-1])
         return rule(doc_ids[:, :, None], doc_ids[:, None, :], causal)[:, None]
