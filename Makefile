@@ -1,32 +1,60 @@
-# `make test` and `make book` both create .venv from requirements.txt first.
+# The course's commands, in the order a student meets them (README.md):
+#   make test · make book · make work CH=03 · make lab · make grade
+# Each one creates .venv from requirements.txt first (and again when requirements.txt changes).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# A student's own folder: git ignores it, and no command below writes to it but `make work`,
+# which only adds a notebook that is not there yet.
+WORK   := work
+# JupyterLab refuses to run as root (a container, a CI machine) unless told it may.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+# More options for `make lab`, e.g. LAB_ARGS="--no-browser --port=8899".
+LAB_ARGS ?=
 
-.PHONY: test book exercises bench clean
+.PHONY: test book work lab grade exercises bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -r requirements.txt
 	touch $(STAMP)
 
-## every test: the package, the grader, nbval over book/, exercises/, solutions/, the built book
-test: $(STAMP)
+## every test: the package, the grader, nbval over book/, exercises/, solutions/, and the built
+## book in a browser -- so the book is built first (after one build, only changed notebooks run)
+test: book
 	$(PY) -m pytest tests book exercises solutions --nbval-lax --nbval-current-env
 
-## the Jupyter Book, every notebook executed, warnings as errors
+## the Jupyter Book in _build/html, every notebook executed, warnings as errors
 book: $(STAMP)
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	@echo "The book is at $(CURDIR)/_build/html/index.html"
 
-## regenerate exercises/ from solutions/
+## copy a chapter's exercises into work/ (CH=03), or any notebook (NB=path); never overwrites
+work: $(STAMP)
+	@if [ -z "$(CH)$(NB)" ]; then \
+	  echo "say which exercise: make work CH=03 (or NB=path/to/notebook.ipynb)" >&2; exit 2; fi
+	$(PY) -m course_attn.workspace $(or $(CH),$(NB)) --work $(WORK)
+
+## JupyterLab, opened in work/
+lab: $(STAMP)
+	mkdir -p $(WORK)
+	$(VENV)/bin/jupyter lab --notebook-dir=$(WORK) $(ALLOW_ROOT) $(LAB_ARGS)
+
+## grade every notebook in work/, or NB=path (a notebook or a folder); JSON=file also writes a report
+grade: $(STAMP)
+	@if [ -z "$(NB)" ] && ! ls $(WORK)/*.ipynb >/dev/null 2>&1; then \
+	  echo "$(WORK)/ has no notebook to grade yet: start one with make work CH=03" >&2; exit 2; fi
+	$(PY) -m course_attn.grade $(or $(NB),$(WORK)) $(if $(JSON),--json $(JSON))
+
+## regenerate exercises/ from solutions/ (refuses to overwrite a student's work unless FORCE=1)
 exercises: $(STAMP)
-	$(PY) -m course_attn.grading.generate
+	$(PY) -m course_attn.grading.generate $(if $(FORCE),--force)
 
 ## time and peak memory of every backend, as ratios to PyTorch's SDPA
 bench: $(STAMP)
 	$(PY) -m course_attn.bench
 
+## what the build and the tests leave behind (never work/)
 clean:
-	rm -rf _build .pytest_cache .hypothesis
+	rm -rf _build .pytest_cache .hypothesis artifacts

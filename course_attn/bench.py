@@ -4,8 +4,16 @@ For each sequence length T, every backend runs on the same q, k, v of shape (B, 
 backends take turns within each repeat (the order rotating from one repeat to the next), so a
 burst of machine noise hits them all alike. Each row reports, for one (backend, T):
 
-- ``time_ms``: the median of ``repeats`` timed calls, after one untimed warm-up call; on CUDA the
-  device is synchronised before the clock is read, so the time is the kernels', not the launch's.
+- ``time_ms``: the median of ``repeats`` timed calls (``kept`` says how many it is over), made
+  after the warm-up; on CUDA the device is synchronised before the clock is read, so the time is
+  the kernels', not the launch's.
+- ``warmup_calls`` and ``settled``: the first calls at a new shape can be far slower than the
+  rest (on a 2-core CPU the first five took 60-96 ms, later ones 1.5 ms), so the backends are
+  first called in turns, and these calls thrown away, until each one's times settle: the last
+  ``SETTLE_WINDOW`` calls lie within ``SETTLE_TOLERANCE`` of their median, and that median within
+  the same tolerance of the ``SETTLE_WINDOW`` calls before them (see ``has_settled``). A backend
+  that has not settled after ``max_warmup`` calls or ``WARMUP_BUDGET_MS`` of calls is timed
+  anyway, with ``settled=False``; the table marks its time with ``*``.
 - ``peak_mib``: the most memory the call held at once beyond what was allocated before it
   (scores, temporaries and the output), measured, never computed from a formula:
 
@@ -25,13 +33,16 @@ burst of machine noise hits them all alike. Each row reports, for one (backend, 
 
 ``time_ratio`` and ``mem_ratio`` divide by ``"sdpa"``'s row at the same T (None when ``"sdpa"``
 is not in the run or failed). A backend that raises at some T (out of memory, unsupported
-options) gets a row carrying the error instead of stopping the run.
+options) gets a row carrying the error instead of stopping the run. A bad option, or a device
+that this machine or this build of PyTorch does not have, is a ``ValueError`` before anything
+runs (on the command line: one line on stderr, exit status 2).
 
 Python: ``rows = run_bench(["math", "sdpa"], (256, 512)); print(format_table(rows))``.
 """
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -48,15 +59,24 @@ from .backends import BACKENDS, get_backend
 from .device import default_device
 from .masks import check_window
 
+PROG = "python -m course_attn.bench"
 MIB = 2 ** 20
 BASELINE = "sdpa"
+SETTLE_WINDOW = 3          # calls compared to decide the times have settled
+SETTLE_TOLERANCE = 0.25    # how far (a fraction of the median) a settled time may stray
+MAX_WARMUP = 30            # warm-up calls at most, per backend and length
+WARMUP_BUDGET_MS = 2000.0  # warm-up time at most, per backend and length
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
 
 
 @dataclass
 class BenchRow:
-    """One backend at one sequence length. Times in milliseconds, memory in MiB (2**20 bytes)."""
+    """One backend at one sequence length. Times in milliseconds, memory in MiB (2**20 bytes).
+
+    ``repeats`` is how many timed calls were asked for and ``kept`` how many the median is over;
+    ``warmup_calls`` and ``settled`` say how the warm-up before them went (None on a failed row).
+    """
 
     backend: str
     seq_len: int
@@ -73,6 +93,9 @@ class BenchRow:
     window: int | None
     device: str
     repeats: int
+    warmup_calls: int | None = None
+    settled: bool | None = None
+    kept: int | None = None
 
 
 def _synchronize(device: torch.device) -> None:
@@ -147,9 +170,63 @@ def _rotated(names: list[str], r: int) -> list[str]:
     return names[r:] + names[:r]
 
 
-def _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, names) -> None:
+def has_settled(times_ms: Sequence[float], window: int = SETTLE_WINDOW,
+                tolerance: float = SETTLE_TOLERANCE) -> bool:
+    """Whether a run of call times has stopped changing.
+
+    True when the last ``window`` times each lie within ``tolerance`` (a fraction) of their
+    median, and the ``window`` times before them have a median within ``tolerance`` of it too: a
+    few equally slow first calls are not taken for settled, as they would be by the spread alone.
+    """
+    if len(times_ms) < 2 * window:
+        return False
+    last, before = times_ms[-window:], times_ms[-2 * window:-window]
+    middle = statistics.median(last)
+    return (all(abs(t - middle) <= tolerance * middle for t in last)
+            and abs(statistics.median(before) - middle) <= tolerance * middle)
+
+
+@dataclass
+class Warmup:
+    """How one backend's warm-up went: the times of its untimed calls, and whether they settled."""
+
+    times_ms: list[float]
+    settled: bool
+
+    @property
+    def calls(self) -> int:
+        return len(self.times_ms)
+
+
+def warm_up(timed_calls: dict[str, Callable[[], float | None]], *, max_calls: int = MAX_WARMUP,
+            budget_ms: float = WARMUP_BUDGET_MS) -> dict[str, Warmup]:
+    """Call each ``timed_calls[name]()`` (which returns its time in ms) in turns until it settles.
+
+    A name stops when ``has_settled`` says its times have settled, after ``max_calls`` calls, once
+    its calls add up to ``budget_ms``, or when its call returns None (it failed). Every name is
+    called at least once. Returns name -> ``Warmup``.
+    """
+    times: dict[str, list[float]] = {name: [] for name in timed_calls}
+    done: dict[str, Warmup] = {}
+    while len(done) < len(timed_calls):
+        for name, call in timed_calls.items():
+            if name in done:
+                continue
+            elapsed = call()
+            if elapsed is None:
+                done[name] = Warmup(times[name], settled=False)
+                continue
+            times[name].append(elapsed)
+            if has_settled(times[name]):
+                done[name] = Warmup(times[name], settled=True)
+            elif len(times[name]) >= max_calls or sum(times[name]) >= budget_ms:
+                done[name] = Warmup(times[name], settled=False)
+    return done
+
+
+def _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, names, max_warmup) -> None:
     for name, n in (("batch", batch), ("heads", heads), ("head_dim", head_dim),
-                    ("repeats", repeats)):
+                    ("repeats", repeats), ("max_warmup", max_warmup)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name} must be a positive int, got {n!r}")
     if not seq_lens or any(isinstance(t, bool) or not isinstance(t, int) or t < 1
@@ -163,10 +240,21 @@ def _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, names) -> N
         get_backend(name)
 
 
-def _measure(calls: dict[str, Callable[[], Tensor]], device: torch.device, repeats: int) -> dict:
-    """Warm each call up, time them all in turns, then measure each one's peak memory.
+@dataclass
+class _Measured:
+    """One backend's measurements at one T (a successful one)."""
 
-    Returns name -> (median ms, peak MiB or None), or name -> the error string when it raised.
+    time_ms: float
+    peak_mib: float | None
+    warmup: Warmup
+    kept: int
+
+
+def _measure(calls: dict[str, Callable[[], Tensor]], device: torch.device, repeats: int,
+             max_warmup: int) -> dict:
+    """Warm each call up until its times settle, time them all in turns, then measure memory.
+
+    Returns name -> ``_Measured``, or name -> the error string when it raised.
     """
     errors: dict[str, str] = {}
 
@@ -178,37 +266,61 @@ def _measure(calls: dict[str, Callable[[], Tensor]], device: torch.device, repea
             _free_cached(device)
             return None
 
-    for name in calls:
-        attempt(name, lambda call: call())
+    def timed(name: str) -> float | None:
+        return attempt(name, lambda call: _time_call_ms(call, device))
+
+    warmups = warm_up({name: functools.partial(timed, name) for name in calls},
+                      max_calls=max_warmup)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for r in range(repeats):
         for name in _rotated([n for n in calls if n not in errors], r):
-            elapsed = attempt(name, lambda call: _time_call_ms(call, device))
+            elapsed = timed(name)
             if elapsed is not None:
                 times[name].append(elapsed)
     peaks = {name: attempt(name, lambda call: peak_memory_bytes(call, device))
              for name in calls if name not in errors}
     return {name: errors[name] if name in errors else
-            (statistics.median(times[name]), None if peaks[name] is None else peaks[name] / MIB)
+            _Measured(statistics.median(times[name]),
+                      None if peaks[name] is None else peaks[name] / MIB,
+                      warmups[name], len(times[name]))
             for name in calls}
+
+
+def check_device(device) -> torch.device:
+    """``torch.device(device)``, or a ``ValueError`` saying why no tensor can be made there."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"not a device: {device!r} (try cpu, cuda, cuda:1 or mps)") from None
+    if device.type == "cuda" and torch.version.cuda is None and torch.version.hip is None:
+        raise ValueError(f"device {str(device)!r} is not available: this PyTorch "
+                         f"({torch.__version__}) was built without CUDA")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:  # torch raises either for a missing device
+        raise ValueError(f"device {str(device)!r} is not available: {_describe(error)}") from None
+    return device
 
 
 def run_bench(
     backends: Sequence[str] | None = None, seq_lens: Sequence[int] = (256, 512, 1024), *,
     batch: int = 1, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.float32,
     is_causal: bool = False, window: int | None = None, device=None, repeats: int = 5,
+    max_warmup: int = MAX_WARMUP,
 ) -> list[BenchRow]:
     """Time and peak memory of each backend at each T, on q, k, v of shape (B, H, T, D).
 
     ``backends``: names in ``BACKENDS`` (default: every one registered when this is called).
-    ``is_causal`` and ``window`` are passed to every backend. Returns one ``BenchRow`` per
-    (T, backend), T-major, ratios taken to ``"sdpa"`` at the same T.
+    ``is_causal`` and ``window`` are passed to every backend. Each backend is warmed up (at most
+    ``max_warmup`` calls) until its times settle, then timed ``repeats`` times. Returns one
+    ``BenchRow`` per (T, backend), T-major, ratios taken to ``"sdpa"`` at the same T.
+    ``ValueError`` for a bad option or a device that is not available.
     """
     names = list(BACKENDS) if backends is None else list(dict.fromkeys(backends))
     seq_lens = list(seq_lens)
-    _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, names)
+    _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, names, max_warmup)
     check_window(window)
-    device = default_device() if device is None else torch.device(device)
+    device = default_device() if device is None else check_device(device)
     common = dict(batch=batch, heads=heads, head_dim=head_dim,
                   dtype=str(dtype).removeprefix("torch."), is_causal=bool(is_causal),
                   window=window, device=str(device), repeats=repeats)
@@ -220,19 +332,23 @@ def run_bench(
         calls = {name: (lambda fn=get_backend(name):
                         fn(q, k, v, is_causal=is_causal, window=window))
                  for name in names}
-        results = _measure(calls, device, repeats)
+        results = _measure(calls, device, repeats, max_warmup)
         del q, k, v, calls
         _free_cached(device)
-        base_time, base_mem = (results[BASELINE] if isinstance(results.get(BASELINE), tuple)
+        base = results.get(BASELINE)
+        base_time, base_mem = ((base.time_ms, base.peak_mib) if isinstance(base, _Measured)
                                else (None, None))
         for name in names:
-            if isinstance(results[name], str):
-                rows.append(BenchRow(name, t, None, None, None, None, results[name], **common))
+            result = results[name]
+            if isinstance(result, str):
+                rows.append(BenchRow(name, t, None, None, None, None, result, **common))
                 continue
-            time_ms, peak_mib = results[name]
-            time_ratio = time_ms / base_time if base_time else None
-            mem_ratio = peak_mib / base_mem if peak_mib is not None and base_mem else None
-            rows.append(BenchRow(name, t, time_ms, peak_mib, time_ratio, mem_ratio, None, **common))
+            time_ratio = result.time_ms / base_time if base_time else None
+            mem_ratio = (result.peak_mib / base_mem if result.peak_mib is not None and base_mem
+                         else None)
+            rows.append(BenchRow(name, t, result.time_ms, result.peak_mib, time_ratio, mem_ratio,
+                                 None, **common, warmup_calls=result.warmup.calls,
+                                 settled=result.warmup.settled, kept=result.kept))
     return rows
 
 
@@ -240,17 +356,29 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)
+
+
 def format_table(rows: Sequence[BenchRow]) -> str:
-    """The rows as a fixed-width text table: T, backend, time, peak memory, ratios to sdpa."""
-    header = ("T", "backend", "time ms", f"x {BASELINE}", "peak MiB", f"x {BASELINE}")
+    """The rows as a fixed-width text table.
+
+    Columns: T, backend, time (the median), its ratio to sdpa, peak memory, its ratio to sdpa,
+    how many timed calls the median was kept over, and how many warm-up calls came before them.
+    A time whose warm-up never settled is marked ``*``, with a note under the table.
+    """
+    header = ("T", "backend", "time ms", f"x {BASELINE}", "peak MiB", f"x {BASELINE}", "kept",
+              "warm-up")
     lines = []
     for row in rows:
         if row.error is not None:
             lines.append((str(row.seq_len), row.backend, f"failed: {row.error}"))
         else:
-            lines.append((str(row.seq_len), row.backend, _fmt(row.time_ms, ".2f"),
+            mark = "*" if row.settled is False else ""
+            lines.append((str(row.seq_len), row.backend, _fmt(row.time_ms, ".2f") + mark,
                           _fmt(row.time_ratio, ".2f"), _fmt(row.peak_mib, ".2f"),
-                          _fmt(row.mem_ratio, ".2f")))
+                          _fmt(row.mem_ratio, ".2f"), _count(row.kept),
+                          _count(row.warmup_calls)))
     ok = [line for line in lines if len(line) == len(header)]
     widths = [max(len(line[i]) for line in [header, *ok]) for i in range(len(header))]
 
@@ -267,6 +395,8 @@ def format_table(rows: Sequence[BenchRow]) -> str:
             out.append("")
         previous_t = row.seq_len
         out.append(render(cells))
+    if any(row.error is None and row.settled is False for row in rows):
+        out += ["", "* still changing when the warm-up stopped: a rough time"]
     return "\n".join(out)
 
 
@@ -305,34 +435,59 @@ def hardware(device=None) -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m course_attn.bench",
-        description="Time and peak memory of every attention backend, with ratios to 'sdpa'.")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024], metavar="T")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--window", type=int, default=None, metavar="W")
+        prog=PROG,
+        description="Time and peak memory of every attention backend on random q, k, v of shape "
+                    "(B, H, T, D), with ratios to PyTorch's SDPA ('sdpa'). Each backend is "
+                    "warmed up until its times settle, then timed; the table gives the median "
+                    "and how many timed calls it kept.")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024], metavar="T",
+                   help="sequence lengths T to measure, each in its own block of the table "
+                        "(default: 256 512 1024)")
+    p.add_argument("--batch", type=int, default=1, metavar="B",
+                   help="batch size B (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=8, metavar="H",
+                   help="number of heads H (default: %(default)s)")
+    p.add_argument("--head-dim", type=int, default=64, metavar="D",
+                   help="size D of each head's queries, keys and values (default: %(default)s)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="element type of q, k and v (default: %(default)s)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False,
+                   help="causal attention: each query sees only the keys up to its position "
+                        "(default: off)")
+    p.add_argument("--window", type=int, default=None, metavar="W",
+                   help="sliding window: each query sees only keys fewer than W positions away "
+                        "(default: none, every key)")
     p.add_argument("--backends", nargs="+", default=None, metavar="NAME",
-                   help=f"default: every registered backend ({', '.join(BACKENDS)})")
-    p.add_argument("--device", default=None, help="default: course_attn.default_device()")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", default=None, metavar="PATH", help="also write rows + hardware here")
+                   help="backends to measure (default: every registered one, here: "
+                        f"{', '.join(BACKENDS)})")
+    p.add_argument("--device", default=None,
+                   help="where to run: cpu, cuda, cuda:1, mps (default: the first present of "
+                        f"cuda, mps and cpu; here {default_device()})")
+    p.add_argument("--repeats", type=int, default=5, metavar="N",
+                   help="timed calls per backend and length after the warm-up; the time shown "
+                        "is their median (default: %(default)s)")
+    p.add_argument("--max-warmup", type=int, default=MAX_WARMUP, metavar="N",
+                   help="untimed calls at most before timing, stopping sooner once the times "
+                        f"settle or after {WARMUP_BUDGET_MS / 1000:g} s (default: %(default)s)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the rows and the hardware to this JSON file "
+                        "(default: none)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    device = default_device() if args.device is None else torch.device(args.device)
+    """The command line: print the table (and write the JSON); 2 and a one-line error if bad."""
+    args = _parser().parse_args(argv)
     start = time.perf_counter()
     try:
+        device = default_device() if args.device is None else check_device(args.device)
         rows = run_bench(args.backends, args.seq_lens, batch=args.batch, heads=args.heads,
                          head_dim=args.head_dim, dtype=DTYPES[args.dtype], is_causal=args.causal,
-                         window=args.window, device=device, repeats=args.repeats)
+                         window=args.window, device=device, repeats=args.repeats,
+                         max_warmup=args.max_warmup)
     except ValueError as error:
-        parser.error(str(error))
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
     elapsed = time.perf_counter() - start
     info = hardware(device)
     print(f"{info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, "
@@ -343,9 +498,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         report = {"hardware": info, "elapsed_s": elapsed,
                   "rows": [dataclasses.asdict(row) for row in rows]}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        try:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+                f.write("\n")
+        except OSError as error:
+            print(f"{PROG}: error: cannot write {args.json}: {error.strerror}", file=sys.stderr)
+            return 2
     return 0
 
 

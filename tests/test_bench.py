@@ -1,4 +1,5 @@
-"""bench.py: one row per (backend, T), honest ratios, measured memory that grows as it should."""
+"""bench.py: one row per (backend, T), honest ratios, measured memory that grows as it should,
+a warm-up that waits for the times to settle, and a command line that explains itself."""
 
 import json
 import subprocess
@@ -9,7 +10,7 @@ import torch
 
 from course_attn.backends import BACKENDS, get_backend
 from course_attn.bench import (
-    BenchRow, format_table, hardware, main, peak_memory_bytes, run_bench,
+    BenchRow, format_table, has_settled, hardware, main, peak_memory_bytes, run_bench, warm_up,
 )
 
 TINY = dict(heads=2, head_dim=8, repeats=2)
@@ -139,11 +140,74 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert all(r["time_ms"] > 0 and r["peak_mib"] > 0 for r in rows)
 
 
-def test_cli_refuses_an_unknown_backend(capsys):
+def one_line_error(capsys) -> str:
+    """What the command printed on stderr, checked to be a single line and nothing on stdout."""
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.endswith("\n"), err
+    assert err.startswith("python -m course_attn.bench: error: "), err
+    return err
+
+
+def test_cli_refuses_an_unknown_backend_in_one_line(capsys):
+    assert main(["--seq-lens", "8", "--backends", "nope"]) == 2
+    assert "unknown attention backend 'nope'" in one_line_error(capsys)
+
+
+def test_cuda_on_a_torch_built_without_it_is_a_one_line_error(monkeypatch, capsys):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert main(["--device", "cuda", "--seq-lens", "8"]) == 2
+    assert "device 'cuda' is not available" in one_line_error(capsys)
+    with pytest.raises(ValueError, match="built without CUDA"):
+        run_bench(["sdpa"], (8,), device="cuda")
+
+
+@pytest.mark.parametrize("device, message", [
+    ("toaster", "not a device: 'toaster'"),
+    ("cuda:99", "device 'cuda:99' is not available"),
+])
+def test_a_device_that_is_not_there_is_a_one_line_error(device, message, capsys):
+    assert main(["--device", device, "--seq-lens", "8"]) == 2
+    assert message in one_line_error(capsys)
+
+
+def test_cli_device_error_has_no_traceback():
+    """As a student types it: ``--device cuda`` where this torch has no CUDA (or no such GPU)."""
+    device = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    done = subprocess.run([sys.executable, "-m", "course_attn.bench", "--device", device],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"device '{device}' is not available" in done.stderr
+
+
+def test_an_unwritable_json_path_is_a_one_line_error(tmp_path, capsys):
+    code = main(["--seq-lens", "8", "--heads", "1", "--head-dim", "4", "--repeats", "1",
+                 "--max-warmup", "1", "--backends", "sdpa", "--device", "cpu",
+                 "--json", str(tmp_path / "no" / "such" / "folder.json")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write" in err
+
+
+def test_help_says_what_each_option_means_and_its_default(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--seq-lens", "8", "--backends", "nope"])
-    assert exit_info.value.code == 2
-    assert "unknown attention backend 'nope'" in capsys.readouterr().err
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    options = text.split("options:", 1)[1]
+    # Each option's entry starts on a line indented by two spaces, then a dash.
+    entries = [e for e in ("\n" + options).split("\n  -")[1:] if not e.startswith("h, --help")]
+    names = [e.split()[0].rstrip(",") for e in entries]
+    assert names == ["-seq-lens", "-batch", "-heads", "-head-dim", "-dtype", "-causal",
+                     "-window", "-backends", "-device", "-repeats", "-max-warmup", "-json"]
+    for entry in entries:
+        words = " ".join(entry.split())
+        assert "(default: " in words, f"no default in: {words}"
+        described = words.split("(default: ")[0]
+        assert len(described.split()) >= 5, f"no explanation in: {words}"
+    assert "median" in options and "settle" in options
 
 
 def test_runs_as_a_module(tmp_path):
@@ -156,3 +220,95 @@ def test_runs_as_a_module(tmp_path):
     assert "sdpa" in done.stdout
     assert done.stderr == ""
     assert {r["backend"] for r in json.loads(path.read_text())["rows"]} >= {"math", "sdpa"}
+
+
+COLD_THEN_FAST = [90.0, 80.0, 60.0, 1.6, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5]
+
+
+def test_times_settle_only_once_the_slow_first_calls_are_behind():
+    first_settled = next(n for n in range(len(COLD_THEN_FAST) + 1)
+                         if has_settled(COLD_THEN_FAST[:n]))
+    # The last three calls are fast, and so is the median of the three before (60, 1.6, 1.5).
+    assert first_settled == 8
+    assert not has_settled([1.5] * 5)  # too few calls to say
+
+
+def test_equally_slow_first_calls_are_not_taken_for_settled():
+    assert not has_settled([95.0, 96.0, 94.0, 1.6, 1.5, 1.5])
+    assert has_settled([95.0, 96.0, 94.0, 95.0, 95.0, 96.0])  # a steady time, however slow
+
+
+def test_noisy_times_do_not_settle():
+    assert not has_settled([1.5, 9.4, 1.6, 1.4, 9.7, 1.5, 1.4, 9.6, 1.5])
+
+
+def fake_calls(**series):
+    """name -> a call returning the next time of its series (then its last one), and a log of
+    the names in the order they were called."""
+    log = []
+
+    def call(name, times):
+        def next_time():
+            log.append(name)
+            return times.pop(0) if len(times) > 1 else times[0]
+        return next_time
+
+    return {name: call(name, list(times)) for name, times in series.items()}, log
+
+
+def test_warm_up_calls_each_backend_in_turns_until_it_settles():
+    calls, log = fake_calls(slow_start=COLD_THEN_FAST, steady=[2.0] * 20)
+    result = warm_up(calls)
+    assert result["steady"].calls == 6 and result["steady"].settled
+    assert result["slow_start"].calls == 8 and result["slow_start"].settled
+    assert result["slow_start"].times_ms == COLD_THEN_FAST[:8]
+    assert log[:12] == ["slow_start", "steady"] * 6  # turns while both are warming up
+    assert log[12:] == ["slow_start"] * 2
+
+
+def test_warm_up_stops_at_its_limits_and_says_it_did_not_settle():
+    calls, _ = fake_calls(noisy=[1.5, 9.5] * 50, slow=[600.0] * 50)
+    result = warm_up(calls, max_calls=7, budget_ms=2000.0)
+    assert result["noisy"].calls == 7 and not result["noisy"].settled
+    assert result["slow"].calls == 4 and not result["slow"].settled  # 4 x 600 ms >= 2 s
+
+
+def test_warm_up_drops_a_failing_call_at_once():
+    calls = {"fails": lambda: None}
+    result = warm_up(calls)
+    assert result["fails"].calls == 0 and not result["fails"].settled
+
+
+def test_rows_say_how_many_calls_were_kept_and_how_the_warm_up_went(device):
+    rows = run_bench(["math", "sdpa"], (16,), device=device, heads=2, head_dim=8, repeats=3)
+    for row in rows:
+        assert row.kept == 3 == row.repeats
+        assert 1 <= row.warmup_calls <= 30 and isinstance(row.settled, bool)
+    once = run_bench(["sdpa"], (16,), device=device, heads=2, head_dim=8, repeats=2, max_warmup=1)
+    assert (once[0].warmup_calls, once[0].settled, once[0].kept) == (1, False, 2)
+
+
+def row(**fields) -> BenchRow:
+    base = dict(backend="sdpa", seq_len=8, time_ms=1.0, peak_mib=1.0, time_ratio=1.0,
+                mem_ratio=1.0, error=None, batch=1, heads=1, head_dim=4, dtype="float32",
+                is_causal=False, window=None, device="cpu", repeats=5)
+    return BenchRow(**{**base, **fields})
+
+
+def test_table_shows_kept_and_warm_up_counts_and_marks_unsettled_times():
+    table = format_table([row(kept=5, warmup_calls=6, settled=True),
+                          row(backend="math", time_ms=3.25, kept=5, warmup_calls=30,
+                              settled=False)])
+    header, _, settled, unsettled, _, note = table.splitlines()
+    assert header.split()[-2:] == ["kept", "warm-up"]
+    assert settled.split()[-2:] == ["5", "6"] and "*" not in settled
+    assert "3.25*" in unsettled.split() and unsettled.split()[-2:] == ["5", "30"]
+    assert note == "* still changing when the warm-up stopped: a rough time"
+    assert "*" not in format_table([row(kept=5, warmup_calls=6, settled=True)])
+
+
+def test_rows_made_the_old_way_still_work():
+    """BenchRow's new fields have defaults: code that builds rows without them keeps working."""
+    old = BenchRow("sdpa", 8, 1.0, 1.0, 1.0, 1.0, None, 1, 1, 4, "float32", False, None, "cpu", 5)
+    assert (old.kept, old.warmup_calls, old.settled) == (None, None, None)
+    assert format_table([old]).splitlines()[2].split()[-2:] == ["-", "-"]

@@ -1,5 +1,6 @@
 """Generating exercises/ from solutions/: stubs, cleared outputs, tags, hidden tests, --check,
-clear errors, and the committed exercises/ equal to a fresh generation."""
+clear errors, a student's work never overwritten, and the committed exercises/ equal to a fresh
+generation."""
 
 import copy
 import importlib.util
@@ -12,7 +13,8 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from course_attn.grading.generate import (
-    check_exercises, generate_all, generate_notebook, main, notebook_text,
+    StudentWorkError, check_exercises, generate_all, generate_notebook, main, notebook_text,
+    student_edits,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,12 +236,135 @@ def test_module_runs_as_a_command(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def edit(path: Path, *, answer: str | None = None, run: bool = False) -> list[str]:
+    """What a student does in Jupyter: write an answer in place of the first stub, run the first
+    code cell. Returns the reasons ``student_edits`` should give."""
+    nb = nbformat.read(path, as_version=4)
+    reasons = []
+    if run:
+        index = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+        nb.cells[index].execution_count = 1
+        nb.cells[index].outputs = [new_output("stream", name="stdout", text="ok\n")]
+        reasons.append(f"cell {index} ran (outputs or execution counts)")
+    if answer is not None:
+        index = next(i for i, c in enumerate(nb.cells) if "raise NotImplementedError()" in c.source)
+        cell = nb.cells[index]
+        cell.source = cell.source.replace("# YOUR CODE HERE\n    raise NotImplementedError()",
+                                          answer)
+        reasons.append(f"answers written in cell {index} ({cell.metadata.nbgrader.grade_id})")
+    nbformat.write(nb, path)
+    return reasons
+
+
+def change_solutions(solutions: Path) -> None:
+    """What a maintainer does: reword a solution notebook, so its exercise is out of date."""
+    for path in solutions.glob("*.ipynb"):
+        nb = nbformat.read(path, as_version=4)
+        nb.cells[0].source += "\n\nReworded."
+        nbformat.write(nb, path)
+
+
+@pytest.mark.parametrize("answer, run", [("    return 2 * x", False), (None, True),
+                                         ("    return 2 * x", True)],
+                         ids=["answered", "ran", "answered-and-ran"])
+def test_a_students_work_is_refused_and_left_byte_identical(generated_dirs, answer, run,
+                                                            capsys):
+    solutions, exercises = generated_dirs
+    change_solutions(solutions)  # even when the exercise is also out of date
+    reasons = edit(exercises / "01_a.ipynb", answer=answer, run=run)
+    before = snapshot(exercises)
+    assert run_main("--solutions", solutions, "--exercises", exercises) == 1
+    assert snapshot(exercises) == before  # nothing written at all, 02_b.ipynb included
+    out, err = capsys.readouterr()
+    assert out == ""
+    path = exercises / "01_a.ipynb"
+    assert f"  {path}: {'; '.join(reasons)}\n" in err
+    assert str(exercises / "02_b.ipynb") not in err
+    assert f"make work NB={path}" in err  # how to keep it
+    assert "--force" in err  # how to overwrite it anyway
+    with pytest.raises(StudentWorkError) as refused:
+        generate_all(solutions, exercises)
+    assert list(refused.value.edited) == [path]
+
+
+def test_a_merely_stale_exercise_is_regenerated(generated_dirs, capsys):
+    solutions, exercises = generated_dirs
+    change_solutions(solutions)
+    assert check_exercises(solutions, exercises) == [
+        f"{exercises / name}: differs from a fresh generation" for name in ("01_a.ipynb",
+                                                                            "02_b.ipynb")]
+    assert run_main("--solutions", solutions, "--exercises", exercises) == 0
+    assert check_exercises(solutions, exercises) == []
+    assert nbformat.read(exercises / "01_a.ipynb", 4).cells[0].source.endswith("Reworded.")
+
+
+def test_force_overwrites_a_students_work(generated_dirs, capsys):
+    solutions, exercises = generated_dirs
+    edit(exercises / "01_a.ipynb", answer="    return 2 * x", run=True)
+    assert run_main("--solutions", solutions, "--exercises", exercises, "--force") == 0
+    assert check_exercises(solutions, exercises) == []
+
+
+def test_a_stale_notebook_is_removed_only_when_nobody_worked_in_it(generated_dirs, capsys):
+    solutions, exercises = generated_dirs
+    fixture = (FIXTURES / "exercises" / FIXTURE).read_bytes()
+    (exercises / "04_gone.ipynb").write_bytes(fixture)  # a chapter that was dropped
+    (exercises / "05_done.ipynb").write_bytes(fixture)
+    edit(exercises / "05_done.ipynb", run=True)
+    nbformat.write(new_notebook(cells=[new_code_cell("notes = 1")]), exercises / "Untitled.ipynb")
+    assert run_main("--solutions", solutions, "--exercises", exercises) == 1
+    err = capsys.readouterr().err
+    assert str(exercises / "05_done.ipynb") in err
+    assert f"{exercises / 'Untitled.ipynb'}: no exercise cell" in err
+    assert str(exercises / "04_gone.ipynb") not in err
+    assert (exercises / "04_gone.ipynb").exists()  # nothing is written while any is refused
+    (exercises / "05_done.ipynb").unlink()
+    (exercises / "Untitled.ipynb").unlink()
+    assert run_main("--solutions", solutions, "--exercises", exercises) == 0
+    assert not (exercises / "04_gone.ipynb").exists()
+
+
+def test_student_edits_sees_what_generation_never_leaves(tmp_path):
+    path = tmp_path / "nb.ipynb"
+    path.write_bytes((FIXTURES / "exercises" / FIXTURE).read_bytes())
+    assert student_edits(path) == []
+    nb = nbformat.read(path, 4)
+    text = next(i for i, c in enumerate(nb.cells)
+                if c.cell_type == "markdown" and "YOUR ANSWER HERE" in c.source)
+    nb.cells[text].source = "Why?\n\nBecause the sum removes the last axis."
+    check = next(i for i, c in enumerate(nb.cells) if c.source.startswith("check("))
+    nb.cells[check].execution_count = 3  # run, even without an output
+    nbformat.write(nb, path)
+    assert student_edits(path) == [
+        f"cell {check} ran (outputs or execution counts)",
+        f"answers written in cell {text} ({nb.cells[text].metadata.nbgrader.grade_id})"]
+    path.write_text("not a notebook")
+    assert student_edits(path) == []
+
+
+def test_check_names_a_students_work_and_how_to_keep_it(generated_dirs, capsys):
+    solutions, exercises = generated_dirs
+    [reason] = edit(exercises / "01_a.ipynb", answer="    return 2 * x")
+    path = exercises / "01_a.ipynb"
+    assert check_exercises(solutions, exercises) == [
+        f"{path}: holds a student's work ({reason}); keep it in work/ with `make work NB={path}`"]
+    assert run_main("--solutions", solutions, "--exercises", exercises, "--check") == 1
+    err = capsys.readouterr().err
+    assert "refuses to touch one that holds a student's work" in err and "work/" in err
+
+
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 
 
 @pytest.mark.skipif(not SOLUTIONS, reason="solutions/ has no notebook yet")
 def test_committed_exercises_equal_a_fresh_generation_of_solutions():
     problems = check_exercises(ROOT / "solutions", ROOT / "exercises")
-    assert problems == [], ("exercises/ is out of date; run `python -m "
-                            "course_attn.grading.generate` and commit the result:\n"
-                            + "\n".join(problems))
+    assert problems == [], (
+        "exercises/ differs from a fresh generation of solutions/:\n" + "\n".join(problems)
+        + "\nMaintainers: run `make exercises` and commit the result. It refuses to overwrite a "
+        "notebook that holds a student's work; students, keep yours in work/ "
+        "(`make work NB=exercises/NN_topic.ipynb`), where no command overwrites it.")

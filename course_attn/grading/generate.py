@@ -1,7 +1,7 @@
 """Exercise notebooks, generated from solution notebooks.
 
-``python -m course_attn.grading.generate [--solutions DIR] [--exercises DIR] [--check]`` writes,
-for every ``solutions/NN_topic.ipynb``, ``exercises/NN_topic.ipynb`` in which
+``python -m course_attn.grading.generate [--solutions DIR] [--exercises DIR] [--check] [--force]``
+writes, for every ``solutions/NN_topic.ipynb``, ``exercises/NN_topic.ipynb`` in which
 
 - each region from a line ``### BEGIN SOLUTION`` to a line ``### END SOLUTION`` in a cell whose
   nbgrader metadata says ``solution: true`` becomes ``# YOUR CODE HERE`` and
@@ -17,6 +17,10 @@ for every ``solutions/NN_topic.ipynb``, ``exercises/NN_topic.ipynb`` in which
 Everything else (cell ids, other metadata, notebook metadata) is kept, and the output is the same
 bytes on every run. ``--check`` writes nothing and exits 1 when ``exercises/`` differs from a
 fresh generation. A malformed solution notebook is a ``ValueError`` (exit status 2).
+
+An exercise notebook that a student has worked in (a cell run, an answer written: see
+``student_edits``) is never overwritten or removed: nothing is written, the command names the
+notebook and says how to keep the work in ``work/`` (exit status 1); ``--force`` overrides.
 """
 
 import argparse
@@ -193,39 +197,109 @@ def expected_exercises(solutions_dir: Path | str, exercises_dir: Path | str) -> 
     return expected
 
 
-def generate_all(solutions_dir: Path | str, exercises_dir: Path | str) -> list[Path]:
+class StudentWorkError(Exception):
+    """Generating would overwrite or remove exercise notebooks that hold a student's work.
+
+    ``edited`` maps each such notebook to the reasons it looks edited (see ``student_edits``).
+    """
+
+    def __init__(self, edited: dict[Path, list[str]]):
+        self.edited = edited
+        super().__init__("; ".join(f"{path}: {'; '.join(why)}" for path, why in edited.items()))
+
+
+def _holds_stub(cell) -> bool:
+    """Whether a solution cell still holds the stub that generation put there."""
+    stub = list(CODE_STUB if cell.cell_type == "code" else TEXT_STUB)
+    lines = [line.strip() for line in cell.source.split("\n")]
+    return any(lines[i:i + len(stub)] == stub for i in range(len(lines)))
+
+
+def _cells(indices: list[int]) -> str:
+    return ("cell " if len(indices) == 1 else "cells ") + ", ".join(map(str, indices))
+
+
+def student_edits(path: Path, *, generated: bool = True) -> list[str]:
+    """Why the exercise notebook at ``path`` looks like it holds a student's work ([] if not).
+
+    A generated exercise has no outputs and no execution counts, and each of its solution cells
+    holds the stub (``raise NotImplementedError()``, ``YOUR ANSWER HERE``); a code cell that was
+    run or a solution cell without its stub is a student's. With ``generated=False`` (a notebook
+    that no solution notebook generates), one with no exercise cell at all is someone's own too.
+    A file that is not a readable notebook holds nothing Jupyter could have saved: [].
+    Cells are numbered from 0, as in the JSON.
+    """
+    try:
+        nb = nbformat.reads(path.read_text(encoding="utf-8"), as_version=4)
+    except Exception:  # nbformat raises JSON, schema and key errors alike
+        return []
+    reasons = []
+    ran = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+           and (cell.get("outputs") or cell.get("execution_count") is not None)]
+    if ran:
+        reasons.append(f"{_cells(ran)} ran (outputs or execution counts)")
+    answered = [i for i, cell in enumerate(nb.cells) if is_solution_cell(cell)
+                and not _holds_stub(cell)]
+    if answered:
+        names = ", ".join(grade_id(nb.cells[i]) or str(i) for i in answered)
+        reasons.append(f"answers written in {_cells(answered)} ({names})")
+    if not generated and not any(nbgrader_metadata(cell) for cell in nb.cells):
+        reasons.append("no exercise cell: a notebook of someone's own")
+    return reasons
+
+
+def generate_all(solutions_dir: Path | str, exercises_dir: Path | str, *,
+                 force: bool = False) -> list[Path]:
     """Write ``exercises_dir/<name>`` for every ``solutions_dir/*.ipynb``; returns their paths.
 
     A file whose bytes are already right is not rewritten (its mtime stays). A stale
     ``exercises_dir/*.ipynb`` with no solution notebook left is removed: exercises are generated,
     never edited by hand. Every solution notebook is checked before anything is written.
+
+    A notebook to be overwritten or removed that holds a student's work (``student_edits``) is a
+    ``StudentWorkError``, and nothing is written, unless ``force``.
     """
-    written, _ = _generate(Path(solutions_dir), Path(exercises_dir))
+    written, _ = _generate(Path(solutions_dir), Path(exercises_dir), force=force)
     return written
 
 
-def _generate(solutions_dir: Path, exercises_dir: Path) -> tuple[list[Path], list[Path]]:
-    """(exercise paths, stale exercise paths removed)."""
+def _generate(solutions_dir: Path, exercises_dir: Path,
+              force: bool = False) -> tuple[list[Path], list[Path]]:
+    """(exercise paths, stale exercise paths removed); see ``generate_all``."""
     expected = expected_exercises(solutions_dir, exercises_dir)
-    exercises_dir.mkdir(parents=True, exist_ok=True)
-    for path, text in expected.items():
-        data = text.encode("utf-8")
-        if not path.is_file() or path.read_bytes() != data:
-            path.write_bytes(data)
+    changed = {path: text.encode("utf-8") for path, text in expected.items()
+               if not path.is_file() or path.read_bytes() != text.encode("utf-8")}
     stale = _stale_exercises(expected, exercises_dir)
+    if not force:
+        edited = {path: why for path in [*changed, *stale] if path.is_file()
+                  and (why := student_edits(path, generated=path in expected))}
+        if edited:
+            raise StudentWorkError(edited)
+    exercises_dir.mkdir(parents=True, exist_ok=True)
+    for path, data in changed.items():
+        path.write_bytes(data)
     for path in stale:
         path.unlink()
     return list(expected), stale
 
 
 def _stale_exercises(expected: dict[Path, str], exercises_dir: Path) -> list[Path]:
+    """Notebooks in ``exercises_dir`` that no solution notebook generates."""
     if not exercises_dir.is_dir():
         return []
     return [path for path in sorted(exercises_dir.glob("*.ipynb")) if path not in expected]
 
 
+def _student_work(path: Path, why: list[str]) -> str:
+    """The part of a ``check_exercises`` line that says a file holds a student's work."""
+    return f"holds a student's work ({'; '.join(why)}); keep it in work/ with `make work NB={path}`"
+
+
 def check_exercises(solutions_dir: Path | str, exercises_dir: Path | str) -> list[str]:
-    """One line per exercise file that is missing, differs from a fresh generation, or is stale."""
+    """One line per exercise file that is missing, differs from a fresh generation, or is stale.
+
+    A file that holds a student's work says so, and how to keep it, instead of differing.
+    """
     exercises_dir = Path(exercises_dir)
     expected = expected_exercises(solutions_dir, exercises_dir)
     problems = []
@@ -233,22 +307,49 @@ def check_exercises(solutions_dir: Path | str, exercises_dir: Path | str) -> lis
         if not path.is_file():
             problems.append(f"{path}: missing")
         elif path.read_bytes() != text.encode("utf-8"):
-            problems.append(f"{path}: differs from a fresh generation")
+            why = student_edits(path)
+            problems.append(f"{path}: " + (_student_work(path, why) if why
+                                           else "differs from a fresh generation"))
     for path in _stale_exercises(expected, exercises_dir):
-        problems.append(f"{path}: stale (no solution notebook of that name)")
+        why = student_edits(path, generated=False)
+        problems.append(f"{path}: stale (no solution notebook of that name)"
+                        + (f" and {_student_work(path, why)}" if why else ""))
     return problems
 
 
+OUT_OF_DATE = ("{count} exercise notebook(s) differ from a fresh generation of {solutions}/. "
+               "`make exercises` regenerates them, and refuses to touch one that holds a "
+               "student's work: copy such a notebook to work/ first (`make work NB=PATH`).")
+
+
+def refusal_message(error: StudentWorkError) -> str:
+    """What ``main`` prints when it refuses to overwrite a student's work: which files, why,
+    and the commands that keep the work and then regenerate."""
+    lines = ["error: not generated, as these exercise notebooks hold a student's work:"]
+    lines += [f"  {path}: {'; '.join(why)}" for path, why in error.edited.items()]
+    lines += ["Nothing was written. To keep that work, copy it to work/, which no command of the "
+              "course overwrites:"]
+    lines += [f"  make work NB={path}" for path in error.edited]
+    lines += ["Then regenerate, discarding the edits left in exercises/:",
+              "  make exercises FORCE=1    (or: python -m course_attn.grading.generate --force)"]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line; exit status 0, 1 (out of date, or a student's work in the way), 2."""
     parser = argparse.ArgumentParser(
         prog="python -m course_attn.grading.generate",
-        description="Generate exercises/ from solutions/ (solution regions become stubs).")
+        description="Generate exercises/ from solutions/ (solution regions become stubs). "
+                    "Refuses to overwrite an exercise notebook that holds a student's work.")
     parser.add_argument("--solutions", type=Path, default=Path("solutions"),
                         help="folder of solution notebooks (default: ./solutions)")
     parser.add_argument("--exercises", type=Path, default=Path("exercises"),
                         help="folder to write exercise notebooks to (default: ./exercises)")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if exercises differ from a fresh generation")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite (or remove) exercise notebooks even where a student has "
+                             "written answers or run cells in them (default: refuse)")
     args = parser.parse_args(argv)
     try:
         if args.check:
@@ -256,12 +357,15 @@ def main(argv: list[str] | None = None) -> int:
             for line in problems:
                 print(line)
             if problems:
-                print(f"{len(problems)} exercise notebook(s) out of date; run "
-                      "`python -m course_attn.grading.generate`", file=sys.stderr)
+                print(OUT_OF_DATE.format(count=len(problems), solutions=args.solutions),
+                      file=sys.stderr)
                 return 1
             print(f"exercises in {args.exercises} are up to date")
             return 0
-        written, stale = _generate(args.solutions, args.exercises)
+        written, stale = _generate(args.solutions, args.exercises, force=args.force)
+    except StudentWorkError as error:
+        print(refusal_message(error), file=sys.stderr)
+        return 1
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
