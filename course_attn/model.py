@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .multihead import MultiHeadAttention
+from .multihead import MultiHeadAttention, split_heads
 
-__all__ = ["GPT", "GPTConfig", "generate"]
+__all__ = ["GPT", "GPTConfig", "generate", "queries_keys_values"]
 
 
 @dataclass
@@ -112,6 +112,33 @@ class GPT(nn.Module):
             attention.append(weights)
         logits = self.lm_head(self.final_norm(x))                            # (B, T, V)
         return (logits, attention) if return_attention else logits
+
+
+@torch.no_grad()
+def queries_keys_values(model: GPT, idx: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """What every layer's attention computed on idx (B, T): per layer, ``(q, k, v)``.
+
+    q: (B, H, T, D), k and v: (B, Hkv, T, D), before the scores: layer l's scores are
+    ``q @ k.transpose(-2, -1) / sqrt(D)`` (causal), and their softmax is the weights that
+    ``model(idx, return_attention=True)`` returns. Read from a forward pass of the model itself
+    (each attention layer's input is recorded, then projected), so they are the very vectors
+    the model used.
+    """
+    inputs: list[Tensor] = []
+    hooks = [block.attn.register_forward_pre_hook(lambda _, args: inputs.append(args[0]))
+             for block in model.blocks]
+    try:
+        model(idx)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    result = []
+    for block, x in zip(model.blocks, inputs):                            # x: (B, T, C)
+        attn = block.attn
+        result.append((split_heads(attn.q_proj(x), attn.n_heads),
+                       split_heads(attn.k_proj(x), attn.n_kv_heads),
+                       split_heads(attn.v_proj(x), attn.n_kv_heads)))
+    return result
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
 """Multi-head attention, the tiny GPT, its synthetic task and its training."""
 
+import copy
 import math
 import time
 
@@ -10,9 +11,10 @@ import torch.nn.functional as F
 from course_attn import attention
 from course_attn.data import IGNORE_INDEX, InductionTask, induction_targets, token_labels
 from course_attn.device import available_devices
-from course_attn.model import GPT, GPTConfig, generate
+from course_attn.model import GPT, GPTConfig, generate, queries_keys_values
 from course_attn.multihead import MultiHeadAttention, merge_heads, repeat_kv, split_heads
-from course_attn.train import accuracy, induction_head_scores, train, train_induction_model
+from course_attn.train import (accuracy, induction_head_scores, ov_circuit, previous_token_scores,
+                               train, train_induction_model)
 
 DEVICES = available_devices()
 
@@ -278,6 +280,28 @@ def test_train_is_deterministic_and_learns():
         train(GPT(config), task, steps=0, batch_size=16, lr=1e-3)
 
 
+def test_train_calls_on_step_after_every_step_without_changing_the_run():
+    task = InductionTask()
+    config = GPTConfig(task.vocab_size, task.seq_len, d_model=32, n_heads=2, n_layers=2, mlp=False)
+    seen, runs = [], []
+    for on_step in (None, lambda step, model: seen.append((step, model.training))):
+        torch.manual_seed(0)
+        runs.append(train(GPT(config), task, steps=6, batch_size=8, lr=3e-3, progress=False,
+                          on_step=on_step))
+    assert runs[0] == runs[1]
+    assert seen == [(step, True) for step in range(1, 7)]
+
+
+def test_train_without_progress_writes_nothing(capfd):
+    """``progress=False`` is how the book trains: no progress bar, nothing on stdout or stderr."""
+    task = InductionTask()
+    config = GPTConfig(task.vocab_size, task.seq_len, d_model=16, n_heads=2, n_layers=1, mlp=False)
+    train(GPT(config), task, steps=3, batch_size=4, lr=1e-3, progress=False)
+    assert capfd.readouterr() == ("", "")
+    train(GPT(config), task, steps=3, batch_size=4, lr=1e-3, progress=True)
+    assert "training" in capfd.readouterr().err                  # the bar, when asked for
+
+
 def test_train_induction_model_solves_the_task_with_an_induction_head():
     start = time.perf_counter()
     result = train_induction_model(seed=0, progress=False)
@@ -293,6 +317,128 @@ def test_train_induction_model_solves_the_task_with_an_induction_head():
     assert fresh > 0.9
     print(f"train_induction_model: {elapsed:.1f} s, accuracy {result.accuracy:.4f}, "
           f"head scores {scores.tolist()}")
+
+    # The history: measured before training and every 5 steps on one fixed batch (seed + 20_000).
+    assert result.steps == list(range(0, 301, 5))
+    assert result.induction_history.shape == result.previous_token_history.shape == (61, 2, 2)
+    batch = torch.Generator().manual_seed(20_000)
+    torch.testing.assert_close(result.induction_history[-1],
+                               induction_head_scores(result.model, result.task, generator=batch))
+    batch = torch.Generator().manual_seed(20_000)
+    torch.testing.assert_close(result.previous_token_history[-1],
+                               previous_token_scores(result.model, result.task, generator=batch))
+    # The induction head forms during training: near the even-spread value at first, near 1 after.
+    assert result.induction_history[0].max() < 0.1 and result.induction_history[-1, 1].min() > 0.9
+    # The initial model is the untrained model: the same weights as a fresh GPT with this seed.
+    torch.manual_seed(0)
+    fresh_model = GPT(result.model.config)
+    for (name, p), (_, p0) in zip(fresh_model.named_parameters(),
+                                  result.initial_model.named_parameters()):
+        assert torch.equal(p, p0), name
+    assert not torch.equal(result.model.blocks[1].attn.q_proj.weight,
+                           result.initial_model.blocks[1].attn.q_proj.weight)
+
+
+def test_train_induction_model_records_without_changing_the_run():
+    """Measuring the heads while training changes nothing: a coarser record, the same losses."""
+    task = InductionTask()
+    config = GPTConfig(task.vocab_size, task.seq_len, d_model=32, n_heads=2, n_layers=2,
+                       mlp=False, backend="sdpa")
+    torch.manual_seed(3)
+    plain = train(GPT(config), task, steps=4, batch_size=8, lr=3e-3, seed=3, progress=False)
+    calls = []
+
+    def measure(step, model):
+        calls.append(step)
+        induction_head_scores(model, task, generator=torch.Generator().manual_seed(5))
+        previous_token_scores(model, task, generator=torch.Generator().manual_seed(5))
+
+    torch.manual_seed(3)
+    measured = train(GPT(config), task, steps=4, batch_size=8, lr=3e-3, seed=3,
+                     progress=False, on_step=measure)
+    assert measured == plain and calls == list(range(1, 5))
+    with pytest.raises(ValueError, match="record_every"):
+        train_induction_model(record_every=0)
+
+
+def test_queries_keys_values_are_what_the_model_attends_with():
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=11, seq_len=9, d_model=24, n_heads=4, n_kv_heads=2, n_layers=3)
+    model = GPT(config).eval()
+    idx = torch.randint(0, 11, (2, 9))
+    with torch.no_grad():
+        logits, weights = model(idx, return_attention=True)
+        by_layer = queries_keys_values(model, idx)
+        again = model(idx)
+    assert len(by_layer) == 3
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    for (q, k, v), w in zip(by_layer, weights):
+        assert q.shape == (2, 4, 9, 6) and k.shape == v.shape == (2, 2, 9, 6)
+        scores = q @ repeat_kv(k, 2).transpose(-2, -1) / math.sqrt(6)
+        expected = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        torch.testing.assert_close(expected, w)
+    torch.testing.assert_close(again, logits)                     # no hook is left behind
+    assert all(not block.attn._forward_pre_hooks for block in model.blocks)
+
+
+def test_previous_token_scores_of_a_perfect_head_and_an_even_one():
+    task = InductionTask()
+    t = task.seq_len
+
+    class FixedHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unused = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, idx, return_attention=False):
+            b = idx.shape[0]
+            previous = F.one_hot((torch.arange(t) - 1).clamp(min=0), t).float()     # (T, T)
+            even = torch.ones(t, t).tril() / torch.arange(1, t + 1)[:, None]
+            weights = torch.stack([previous, even]).expand(b, 2, t, t)
+            return torch.zeros(b, t, task.vocab_size), [weights]
+
+    scores = previous_token_scores(FixedHeads(), task)
+    assert scores.shape == (1, 2)
+    torch.testing.assert_close(scores[0, 0], torch.tensor(1.0))
+    expected_even = torch.tensor([1 / (i + 1) for i in range(1, t)]).mean()
+    torch.testing.assert_close(scores[0, 1], expected_even)
+
+
+def test_ov_circuit_is_one_heads_path_from_embedding_to_logits():
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=7, seq_len=5, d_model=12, n_heads=3, n_layers=2, mlp=False)
+    model = GPT(config).eval()
+    d = 4
+    for layer in range(2):
+        for head in range(3):
+            # The same path, another way: silence every other head's block of W_O.
+            only = copy.deepcopy(model)
+            with torch.no_grad():
+                out = only.blocks[layer].attn.out_proj.weight
+                keep = out[:, head * d:(head + 1) * d].clone()
+                out.zero_()
+                out[:, head * d:(head + 1) * d] = keep
+                attn, norm = only.blocks[layer].attn, only.blocks[layer].attn_norm
+                written = attn.out_proj(attn.v_proj(norm(only.token_embedding.weight)))
+                expected = only.lm_head(only.final_norm(written))
+            torch.testing.assert_close(ov_circuit(model, layer, head), expected)
+    with pytest.raises(ValueError, match="head"):
+        ov_circuit(model, 0, 3)
+    with pytest.raises(ValueError, match="layer"):
+        ov_circuit(model, 2, 0)
+
+
+def test_a_copying_head_has_its_largest_logit_on_the_diagonal():
+    """Hand-built: embeddings one-hot, W_V and W_O identity, LM head = embeddings: it copies."""
+    config = GPTConfig(vocab_size=4, seq_len=3, d_model=4, n_heads=1, n_layers=1, mlp=False)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        model.token_embedding.weight.copy_(torch.eye(4))
+        model.blocks[0].attn.v_proj.weight.copy_(torch.eye(4))
+        model.blocks[0].attn.out_proj.weight.copy_(torch.eye(4))
+        model.lm_head.weight.copy_(torch.eye(4))
+    table = ov_circuit(model, 0, 0)
+    assert torch.equal(table.argmax(dim=-1), torch.arange(4))
 
 
 def test_induction_head_scores_of_a_perfect_head():
