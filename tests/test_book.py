@@ -28,15 +28,30 @@ class Assets(HTMLParser):
         super().__init__()
         self.loads: list[str] = []
         self.images: list[str] = []
+        self.icons: list[str] = []
+        self.inline_scripts: list[str] = []
+        self._in_script = False
+
+    def handle_data(self, data):
+        if self._in_script and data.strip():
+            self.inline_scripts.append(data.strip())
+
+    def handle_endtag(self, tag):
+        if tag == "script":
+            self._in_script = False
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
+        if tag == "script":
+            self._in_script = not a.get("src")
         if tag == "script" and a.get("src"):
             self.loads.append(a["src"])
         elif tag == "link" and a.get("rel") in ("stylesheet", "preload") and a.get("href"):
             self.loads.append(a["href"])
         elif tag == "img" and a.get("src"):
             self.images.append(a["src"])
+        elif tag == "link" and a.get("rel") == "icon" and a.get("href"):
+            self.icons.append(a["href"])
 
 
 def parse(page: Path) -> Assets:
@@ -70,6 +85,24 @@ def test_mathjax_is_served_from_the_site(page):
     for url in mathjax:
         local = (page.parent / url.split("?")[0]).resolve()
         assert local.is_file(), f"{page.name} loads {url}, which is not in the build"
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(HTML)))
+def test_each_inline_script_is_written_once(page):
+    # Sphinx 7 wrote sphinx-thebe's `const THEBE_JS_URL = ...` twice into every page, and the
+    # browser logged "Identifier 'THEBE_JS_URL' has already been declared" (_ext/inline_js_once.py).
+    scripts = parse(page).inline_scripts
+    twice = sorted({s[:80] for s in scripts if scripts.count(s) > 1})
+    assert not twice, f"{page.name} repeats inline scripts: {twice}"
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(HTML)))
+def test_page_names_an_icon_that_is_in_the_build(page):
+    # Without one, a browser asks for /favicon.ico and logs the 404 as a console error.
+    icons = parse(page).icons
+    assert icons, f"{page.name} names no icon"
+    for href in icons:
+        assert (page.parent / href).resolve().is_file(), f"{page.name}: icon {href} is not built"
 
 
 def test_mathjax_fonts_are_in_the_build():

@@ -1,6 +1,9 @@
-"""plot_attention: one heatmap, a grid of heads, and the inputs it refuses."""
+"""The book's figures: plot_attention's heatmaps and their one colour convention, plot_bench."""
 
 import io
+import json
+import re
+from pathlib import Path
 
 import matplotlib
 
@@ -13,7 +16,9 @@ from matplotlib import pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from course_attn.data import token_labels  # noqa: E402
-from course_attn.viz import plot_attention  # noqa: E402
+from course_attn.viz import overlapping_tick_labels, plot_attention, plot_bench  # noqa: E402
+
+CAUSAL = torch.ones(4, 4, dtype=torch.bool).tril()
 
 
 def causal_weights(*shape):
@@ -26,13 +31,19 @@ def causal_weights(*shape):
 def tick_texts(axis):
     return [label.get_text() for label in axis.get_ticklabels()]
 
+def colorbars(fig):
+    """The colour bars: one beside a single map (an inset of it), or one shared by a grid."""
+    every = [a for ax in fig.axes for a in (ax, *ax.child_axes)]
+    return [ax for ax in every if ax.get_label() == "<colorbar>"]
+
 
 def test_one_map_has_token_labels_and_a_colorbar():
     tokens = token_labels(torch.tensor([0, 1, 2, 0, 1]))
     open_before = plt.get_fignums()
     fig = plot_attention(causal_weights(5, 5), tokens, title="one head")
     assert isinstance(fig, Figure)
-    heatmap, colorbar = fig.axes                                  # the map and its colour bar
+    (heatmap,) = fig.axes
+    (colorbar,) = colorbars(fig)                                  # beside the map, as tall
     assert tick_texts(heatmap.xaxis) == tokens == tick_texts(heatmap.yaxis)
     assert heatmap.get_xlabel() == "key" and heatmap.get_ylabel() == "query"
     assert heatmap.get_title() == "one head"
@@ -79,16 +90,153 @@ def test_draws_into_a_given_axes():
     fig = Figure()
     ax = fig.add_subplot()
     assert plot_attention(causal_weights(4, 4), ax=ax) is fig
-    assert ax.images and len(fig.axes) == 2
+    assert ax.images and fig.axes == [ax] and len(colorbars(fig)) == 1
 
 
-def test_masked_scores_are_drawn_not_dropped():
-    scores = torch.randn(4, 4).masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(),
-                                           float("-inf"))
-    fig = plot_attention(scores, colorbar_label="score")
+
+
+def hatched(ax):
+    return [p for p in ax.patches if p.get_hatch()]
+
+
+def test_masked_scores_are_drawn_as_masked_not_as_values():
+    scores = torch.linspace(-2.0, 3.0, 16).reshape(4, 4).masked_fill(~CAUSAL, float("-inf"))
+    fig = plot_attention(scores)
     image = fig.axes[0].images[0].get_array()
-    assert image.mask.sum() == 6                                  # the 6 future keys
-    assert fig.axes[1].get_ylabel() == "score"
+    assert np.array_equal(image.mask, ~CAUSAL.numpy())            # the 6 future keys, exactly
+    assert hatched(fig.axes[0]), "masked cells should show a hatched background"
+    assert colorbars(fig)[0].get_ylabel() == "score (hatched: masked)"
+
+
+def test_mask_argument_marks_zero_weights_as_masked():
+    weights = torch.randn(4, 4).masked_fill(~CAUSAL, float("-inf")).softmax(-1)
+    plain = plot_attention(weights).axes[0].images[0].get_array()
+    assert not np.ma.is_masked(plain) and not hatched(plot_attention(weights).axes[0])
+    fig = plot_attention(weights, mask=CAUSAL)
+    image = fig.axes[0].images[0].get_array()
+    assert np.array_equal(image.mask, ~CAUSAL.numpy())
+    assert np.allclose(image.compressed(), weights[CAUSAL].numpy())  # the allowed cells unchanged
+    assert colorbars(fig)[0].get_ylabel() == "weight (hatched: masked)"
+
+
+def test_a_mask_broadcasts_over_heads_and_nan_is_masked_too():
+    weights = causal_weights(3, 4, 4)
+    weights[1, 0, 0] = float("nan")
+    fig = plot_attention(weights, mask=CAUSAL)
+    maps = [ax for ax in fig.axes if ax not in colorbars(fig)]
+    masks = [ax.images[0].get_array().mask for ax in maps]
+    assert [int(m.sum()) for m in masks] == [6, 7, 6]
+    assert len(colorbars(fig)) == 1                               # one shared scale
+
+
+def test_weights_use_the_sequential_map_on_zero_to_one():
+    fig = plot_attention(torch.full((3, 3), 0.2))                 # pale: a weight of 0.2 is small
+    image = fig.axes[0].images[0]
+    assert image.get_cmap().name == "Blues" and image.get_clim() == (0.0, 1.0)
+    assert colorbars(fig)[0].get_ylabel() == "weight"
+
+
+def test_signed_scores_use_a_diverging_map_centred_at_zero():
+    scores = torch.tensor([[-1.0, 3.0], [0.5, 2.0]])
+    image = plot_attention(scores).axes[0].images[0]
+    assert image.get_cmap().name == "RdBu_r" and image.get_clim() == (-3.0, 3.0)
+    forced = plot_attention(torch.tensor([[0.1, 0.9]]), signed=True)
+    assert forced.axes[0].images[0].get_cmap().name == "RdBu_r"
+    assert colorbars(forced)[0].get_ylabel() == "score"
+    kept = plot_attention(scores, signed=False, colorbar_label="logit").axes[0].images[0]
+    assert kept.get_cmap().name == "Blues" and kept.get_clim() == (0.0, 1.0)
+
+
+def test_a_bool_mask_is_drawn_with_a_legend():
+    fig = plot_attention(CAUSAL, title="causal")
+    image = fig.axes[0].images[0].get_array()
+    assert np.array_equal(image.mask, ~CAUSAL.numpy())
+    assert not colorbars(fig)
+    legend = fig.axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["may attend", "masked"]
+    fig.savefig(io.BytesIO(), format="png")
+
+
+@pytest.mark.parametrize("weights", [causal_weights(4, 4), causal_weights(3, 4, 4)])
+def test_every_numeric_map_has_a_colour_bar_unless_asked_not_to(weights):
+    assert len(colorbars(plot_attention(weights))) == 1
+    assert not colorbars(plot_attention(weights, colorbar=False))
+
+
+def test_two_maps_drawn_into_given_axes_each_get_a_colour_bar():
+    fig = Figure(layout="constrained")
+    left, right = fig.subplots(1, 2)
+    scores = torch.linspace(-2.0, 3.0, 16).reshape(4, 4).masked_fill(~CAUSAL, float("-inf"))
+    assert plot_attention(scores.softmax(-1), ax=left, mask=CAUSAL, title="weights") is fig
+    assert plot_attention(scores, ax=right, title="scores") is fig
+    assert len(colorbars(fig)) == 2
+    assert left.images[0].get_cmap().name == "Blues"
+    assert right.images[0].get_cmap().name == "RdBu_r"
+    assert hatched(left) and hatched(right)
+    fig.draw_without_rendering()
+    for ax, bar in zip((left, right), colorbars(fig)):            # each as tall as its map
+        assert bar.get_position().height == pytest.approx(ax.get_position().height, rel=0.01)
+    fig.savefig(io.BytesIO(), format="png")
+
+
+@pytest.mark.parametrize("mask, message", [
+    (torch.ones(4, 4), "bool"),
+    (torch.ones(3, 4, dtype=torch.bool), "does not broadcast"),
+])
+def test_bad_mask_raises(mask, message):
+    with pytest.raises(ValueError, match=message):
+        plot_attention(causal_weights(4, 4), mask=mask)
+
+
+class Row:
+    """Stands in for course_attn.bench.BenchRow: only the fields plot_bench reads."""
+
+    def __init__(self, backend, seq_len, time_ms, peak_mib, error=None, settled=True):
+        self.backend, self.seq_len, self.time_ms = backend, seq_len, time_ms
+        self.peak_mib, self.error, self.settled = peak_mib, error, settled
+
+
+SEQ_LENS = [256, 512, 1024, 2048]
+ROWS = [Row(name, t, factor * (t / 256) ** 2, factor * t / 64)
+        for name, factor in (("math", 3.0), ("sdpa", 0.4)) for t in SEQ_LENS] + [
+    Row("broken", 256, None, None, error="RuntimeError: out of memory")]
+
+
+def test_bench_plot_ticks_are_the_measured_lengths_and_none_overlap():
+    fig = plot_bench(ROWS, title="causal")
+    time_ax, mem_ax = fig.axes
+    for ax in (time_ax, mem_ax):
+        assert list(ax.get_xticks()) == SEQ_LENS
+        assert tick_texts(ax.xaxis) == [str(t) for t in SEQ_LENS]
+        assert not [t for t in ax.xaxis.get_ticklabels(minor=True) if t.get_text()]
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert legend == ["math", "sdpa"]
+    assert overlapping_tick_labels(fig) == []
+    fig.savefig(io.BytesIO(), format="png")
+
+
+def test_overlapping_tick_labels_finds_the_old_appendix_bug():
+    # What the appendix used to draw: explicit ticks on a log axis, matplotlib's minor labels on.
+    fig = Figure(figsize=(5, 4))
+    ax = fig.add_subplot()
+    ax.plot(SEQ_LENS, [150, 110, 400, 1800])
+    ax.set(xscale="log", yscale="log")
+    ax.set_xticks(SEQ_LENS, [str(t) for t in SEQ_LENS])
+    clashes = overlapping_tick_labels(fig)
+    assert ("256", "$\\mathdefault{3\\times10^{2}}$") in clashes
+
+
+def test_bench_plot_marks_times_that_did_not_settle():
+    rows = [Row("math", t, 2.0 * t, t / 64, settled=t != 256) for t in SEQ_LENS]
+    time_ax = plot_bench(rows).axes[0]
+    assert [t.get_text() for t in time_ax.get_legend().get_texts()] == ["math", "not settled"]
+    hollow = [line for line in time_ax.get_lines() if line.get_markerfacecolor() == "white"]
+    assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [256]
+
+
+def test_bench_plot_needs_a_successful_row():
+    with pytest.raises(ValueError, match="no successful row"):
+        plot_bench(ROWS[-1:])
 
 
 @pytest.mark.parametrize("weights, kwargs, message", [
@@ -110,3 +258,17 @@ def test_grid_into_one_axes_raises():
     ax = Figure().add_subplot()
     with pytest.raises(ValueError, match="ax draws one"):
         plot_attention(torch.rand(2, 3, 3), ax=ax)
+
+
+BOOK = Path(__file__).resolve().parents[1] / "book"
+RAW_HEATMAP = re.compile(r"\.(imshow|matshow|pcolormesh|pcolor)\(|\bheatmap\(")
+
+
+@pytest.mark.parametrize("notebook", sorted(BOOK.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.name)
+def test_every_heatmap_in_the_book_goes_through_plot_attention(notebook):
+    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+    raw = [i for i, cell in enumerate(cells)
+           if cell["cell_type"] == "code" and RAW_HEATMAP.search("".join(cell["source"]))]
+    assert not raw, (f"{notebook.name}: cells {raw} draw a heatmap themselves; use "
+                     "course_attn.viz.plot_attention (one colour convention, a colour bar, "
+                     "masked cells shown as masked)")
