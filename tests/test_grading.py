@@ -1,96 +1,50 @@
-"""The grader: full marks for the solutions, zero for fresh exercises, and a score with a reason,
-never a crash, for every broken or hostile submission.
+"""The grader on the test-only chapter "ch99": full marks for the solution, zero for the fresh
+exercise, and a score with a reason, never a crash, for every broken or hostile submission.
 
 Kernels are slow to start, so every fixture submission is graded once, by one run of
-``python -m course_attn.grade ... --json``, and the tests read that run's table and report.
-The fixture chapter "ch99" (tests/fixtures) has four exercises: double (2 points), row_sum (3),
-normalize (2), count_positive (3). Its checks live in tests/fixtures/course_fixture_ch99.py,
-which the kernels import through PYTHONPATH; the reference of normalize is the package's
-``softmax``, so that a submission can call it.
+``python -m course_attn.grade ... --json`` (two workers), and the tests read that run's table and
+report. The chapter (tests/fixtures/course_fixture_ch99.py, hidden cases in
+tests/fixtures/solutions/hidden/ch99.py) has four exercises: double (2 points), row_sum (3),
+normalize (2, the package is banned and its ``softmax`` is the reference), count_positive (3).
+In the fixture notebook, cells count from 1: the setup is cell 2; double's solution is cell 4,
+its check cell 5; row_sum's 7 and 8; normalize's 10 and 11; count_positive's 13 and 14.
 """
 
-import copy
-import hashlib
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from course_attn.grading import grader
-from course_attn.grading.generate import generate_all, grade_id
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures"
-FIXTURE_SOLUTIONS = FIXTURES / "solutions"
-FIXTURE = "99_fixture.ipynb"
-# Per cell; generous because the setup cell imports torch, which takes seconds on a busy machine.
-CELL_TIMEOUT_S = 10
+from grading_support import (  # noqa: E402
+    FIXTURE, FIXTURE_OPTIONS, FIXTURE_SOLUTIONS, FIXTURES, by_grade_id, edit, fingerprint,
+    index_of, live_processes, run_grader, solution_notebook, write,
+)
+
+from course_attn.grading import cli, grader, kernel  # noqa: E402
+from course_attn.grading.canonical import load_canonical  # noqa: E402
+from course_attn.grading.generate import grade_id  # noqa: E402
+from course_attn.grading.notebook import chapter_of  # noqa: E402
+from course_attn.grading.restore import restore_protected_cells  # noqa: E402
+
+# Per cell; generous because the setup cell imports torch, which takes seconds on a busy machine
+# (a cell interrupted in the middle of `import torch` leaves torch half imported).
+CELL_TIMEOUT_S = 20
 MEMORY_MB = 1024
-GRADER_OPTIONS = ["--timeout", str(CELL_TIMEOUT_S), "--memory-mb", str(MEMORY_MB),
-                  "--solutions", str(FIXTURE_SOLUTIONS), "--checks-module", "course_fixture_ch99"]
+OPTIONS = ["--timeout", str(CELL_TIMEOUT_S), "--memory-mb", str(MEMORY_MB), *FIXTURE_OPTIONS]
+POINTS = {"ch99-double": 2, "ch99-row_sum": 3, "ch99-normalize": 2, "ch99-count_positive": 3}
+LEFT_BEHIND = "97.25"  # `sleep 97.25`: a process the "dies" submission starts before it dies
 
-
-def kernel_env() -> dict:
-    """The environment for a grader whose kernels must import the ch99 checks."""
-    paths = [str(FIXTURES)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-
-
-def make_submission(folder: Path, name: str, *, replace: dict | None = None,
-                    delete: tuple = (), rearrange=None, version: int = 4) -> Path:
-    """The fixture solution with the cells of the given grade_ids replaced or deleted, then
-    ``rearrange(cells)`` applied, written in nbformat ``version``."""
-    nb = nbformat.read(FIXTURE_SOLUTIONS / FIXTURE, as_version=4)
-    replace = dict(replace or {})
-    cells = []
-    for cell in nb.cells:
-        gid = grade_id(cell)
-        if gid in delete:
-            continue
-        if gid in replace:
-            cell.source = replace.pop(gid)
-        cells.append(cell)
-    assert not replace, f"no cells with grade_ids {sorted(replace)}"
-    nb.cells = rearrange(cells) if rearrange else cells
-    path = folder / name
-    nbformat.write(nbformat.convert(nb, version) if version != 4 else nb, path)
-    return path
-
-
-def index_of(cells, gid: str) -> int:
-    return next(i for i, cell in enumerate(cells) if grade_id(cell) == gid)
-
-
-def duplicate_normalize_then_move_count_check(cells):
-    """A wrong copy of normalize's solution before the right one, and count_positive's check
-    cell moved above its solution cell."""
-    at = index_of(cells, "ch99-normalize-solution")
-    wrong = copy.deepcopy(cells[at])
-    wrong.id = "normalize-first-try"
-    wrong.source = "def normalize(x):\n    return x\n"
-    cells.insert(at, wrong)
-    check = cells.pop(index_of(cells, "ch99-count_positive"))
-    cells.insert(index_of(cells, "ch99-count_positive-solution"), check)
-    return cells
-
-
-FORGE_DOUBLE_CHECK = """import re
+FORGE_THE_CHECK_CELLS = """import re
 
 def forge(lines):
     text = "".join(lines)
-    if 'check("ch99.double"' not in text:
-        return lines
-    nonce = re.search(r"begin\\('([0-9a-f]+)'\\)", text).group(1)
-    fake = {"kind": "done", "nonce": nonce, "exercises": ["ch99.double"], "passed": True,
-            "mac": "0" * 64}
-    return ["print('ch99.double: 3/3 checks passed')\\n",
-            "from IPython.display import display\\n",
-            f"display({{'application/vnd.course-attn.grading+json': {fake!r}}}, raw=True)\\n"]
+    match = re.search(r'check\\("(ch99\\.\\w+)"', text)
+    return [f"print('{match.group(1)}: 3/3 checks passed')\\n"] if match else lines
 
 get_ipython().input_transformers_post.append(forge)
 
@@ -98,20 +52,18 @@ def double(x):
     return x
 """
 
-FITS_ONLY_THE_VISIBLE_CHECKS = """def row_sum(x):
-    if x.shape[-1] in (1, 4):  # the sizes the visible checks use
+FITS_ONLY_THE_PUBLIC_CASES = """def row_sum(x):
+    if x.shape[-1] in (1, 4):  # the sizes of the public cases
         return x.sum(dim=-1)
     return x[..., 0]
 """
 
 PATCH_THE_GRADER = """import course_attn.grading as grading
-import course_attn.grading.registry as registry
+import course_attn.grading.cases as cases
+import course_attn.grading.judge as judge
 
-def always_passes(name, *args, **kwargs):
-    return registry.Report(name, [registry.CaseResult("everything", True)])
-
-registry.run_checks = always_passes
-registry.run_cases = always_passes
+cases.expect_tensor = lambda *args, **kwargs: None
+judge.judge_case = lambda *args, **kwargs: judge.CaseResult("everything", True)
 grading.check = lambda name, fn: print(f"{name}: 1/1 checks passed")
 
 def count_positive(x):
@@ -134,28 +86,43 @@ def row_sum(x):
 """
 
 
+def duplicate_normalize_then_move_count_check(cells):
+    """A wrong copy of normalize's solution before the right one, and count_positive's check
+    cell moved above its solution cell."""
+    at = index_of(cells, "ch99-normalize-solution")
+    wrong = nbformat.v4.new_code_cell("def normalize(x):\n    return x\n",
+                                      metadata=cells[at].metadata)
+    cells.insert(at, wrong)
+    check = cells.pop(index_of(cells, "ch99-count_positive"))
+    cells.insert(index_of(cells, "ch99-count_positive-solution"), check)
+    return cells
+
+
 def submissions(folder: Path) -> dict[str, Path]:
-    """Every fixture submission, by name. Cells count from 1: double's solution is cell 4, its
-    check cell 5; row_sum's 7 and 8; normalize's 10 and 11; count_positive's 13 and 14."""
-    fixture_exercise = folder / "99_exercise.ipynb"
-    fixture_exercise.write_bytes((FIXTURES / "exercises" / FIXTURE).read_bytes())
-    solution_text = (FIXTURE_SOLUTIONS / FIXTURE).read_text()
-    (folder / "99_truncated.ipynb").write_text(solution_text[: len(solution_text) // 2])
+    """Every fixture submission, by name."""
+    solution = solution_notebook(FIXTURE_SOLUTIONS / FIXTURE)
+    (folder / "99_exercise.ipynb").write_bytes((FIXTURES / "exercises" / FIXTURE).read_bytes())
+    text = (FIXTURE_SOLUTIONS / FIXTURE).read_text()
+    (folder / "99_truncated.ipynb").write_text(text[: len(text) // 2])
     (folder / "99_not_a_notebook.ipynb").write_text('{"hello": "world"}\n')
     (folder / "notes.txt").write_text("my answers are in my head\n")
-    future = json.loads(solution_text)
+    future = json.loads(text)
     future["nbformat"] = 5
     (folder / "99_future.ipynb").write_text(json.dumps(future))
+
+    def made(name, version=4, **changes):
+        return write(edit(solution, **changes), folder / name, version)
+
     return {
-        "solution": make_submission(folder, "99_solution.ipynb"),
-        "exercise": fixture_exercise,
-        "broken": make_submission(folder, "99_broken.ipynb", replace={
+        "solution": made("99_solution.ipynb"),
+        "exercise": folder / "99_exercise.ipynb",
+        "broken": made("99_broken.ipynb", replace={
             "ch99-double-solution": "def double(x:\n    return 2 * x\n",
             "ch99-row_sum-solution": "def row_sum(x):\n    return x.sum(dim=-1, keepdim=True)\n",
             "ch99-normalize-solution": "def normalize(x):\n"
                                        "    return x / x.sum(dim=3, keepdim=True)\n",
         }, delete=("ch99-setup", "ch99-count_positive-solution")),
-        "hostile": make_submission(folder, "99_hostile.ipynb", replace={
+        "hostile": made("99_hostile.ipynb", replace={
             "ch99-setup": "import torch\nfrom course_attn.grading import check\n"
                           "import course_fixture_ch99\nprint('I changed the setup')\n",
             "ch99-double-solution": "def double(x):\n    while True:\n        pass\n",
@@ -164,54 +131,32 @@ def submissions(folder: Path) -> dict[str, Path]:
                                        "def check(*args, **kwargs):\n    pass\n",
             "ch99-normalize": "pass\n",
         }, delete=("ch99-count_positive",)),
-        "dies": make_submission(folder, "99_dies.ipynb", replace={
+        "dies": made("99_dies.ipynb", replace={
             "ch99-row_sum-solution": "import os\nimport subprocess\n\n"
-                                     f"subprocess.Popen({LEFT_BEHIND!r})\n\n"
+                                     f"subprocess.Popen(['sleep', '{LEFT_BEHIND}'])\n\n"
                                      "def row_sum(x):\n    os._exit(1)\n",
         }),
-        "segfault": make_submission(folder, "99_segfault.ipynb", replace={
+        "segfault": made("99_segfault.ipynb", replace={
             "ch99-row_sum-solution": "import ctypes\n\ndef row_sum(x):\n"
                                      "    return ctypes.string_at(0)\n",
         }),
-        "cheats": make_submission(folder, "99_cheats.ipynb", replace={
-            "ch99-double-solution": FORGE_DOUBLE_CHECK,
-            "ch99-row_sum-solution": FITS_ONLY_THE_VISIBLE_CHECKS,
+        "cheats": made("99_cheats.ipynb", replace={
+            "ch99-double-solution": FORGE_THE_CHECK_CELLS,
+            "ch99-row_sum-solution": FITS_ONLY_THE_PUBLIC_CASES,
             "ch99-normalize-solution": "from course_attn import softmax as sm\n\n"
                                        "def normalize(x):\n    return sm(x.log(), dim=-1)\n",
             "ch99-count_positive-solution": PATCH_THE_GRADER,
         }),
-        "mess": make_submission(folder, "99_mess.ipynb", replace={
+        "mess": made("99_mess.ipynb", replace={
             "ch99-double-solution": MEMORY_BOMB,
             "ch99-row_sum-solution": HUGE_OUTPUT,
         }, rearrange=duplicate_normalize_then_move_count_check),
-        "v3": make_submission(folder, "99_v3.ipynb", version=3),
+        "v3": made("99_v3.ipynb", version=3),
         "future": folder / "99_future.ipynb",
         "truncated": folder / "99_truncated.ipynb",
         "not_a_notebook": folder / "99_not_a_notebook.ipynb",
         "text": folder / "notes.txt",
     }
-
-
-LEFT_BEHIND = ["sleep", "97.25"]  # a process the "dies" submission starts before it dies
-
-
-def live_processes(command: list[str]) -> list[int]:
-    """Ids of the processes running exactly ``command`` that are not zombies (Linux /proc)."""
-    wanted, found = [part.encode() for part in command], []
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit():
-                continue
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            if (entry / "cmdline").read_bytes().split(b"\0")[:-1] == wanted and state != "Z":
-                found.append(int(entry.name))
-        except OSError:  # the process ended while we looked
-            continue
-    return found
-
-
-def fingerprint(path: Path) -> tuple:
-    return hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns
 
 
 @pytest.fixture(scope="module")
@@ -222,10 +167,8 @@ def graded(tmp_path_factory):
     paths = submissions(folder)
     before = {name: fingerprint(path) for name, path in paths.items()}
     report_path = folder / "report.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "course_attn.grade", *map(str, paths.values()),
-         "--json", str(report_path), *GRADER_OPTIONS, "--workers", "2"],
-        env=kernel_env(), cwd=folder, capture_output=True, text=True, timeout=300)
+    result = run_grader(*map(str, paths.values()), "--json", str(report_path), *OPTIONS,
+                        "--workers", "2", cwd=folder)
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     by_name = {}
     if report is not None:
@@ -237,7 +180,7 @@ def graded(tmp_path_factory):
 
 
 def scores(graded, name) -> dict[str, dict]:
-    return {e["grade_id"]: e for e in graded["by_name"][name]["exercises"]}
+    return by_grade_id(graded["by_name"][name])
 
 
 def test_grading_completes_with_exit_status_0(graded):
@@ -260,36 +203,41 @@ def test_fresh_exercise_scores_zero(graded):
     assert entry["flags"] == []
 
 
+T = CELL_TIMEOUT_S
 EXPECTED = [
     # the setup (cell 2) is deleted: double's solution is the student's cell 3
-    ("broken", "ch99-double", r"SyntaxError in your code \(cell 3, line 1\): .+"),
+    ("broken", "ch99-double", r"SyntaxError in your code \(cell 3\): .+"),
     ("broken", "ch99-row_sum",
-     r"2 of 2 checks failed \(first: \(2, 3, 4\) -> \(2, 3\): row_sum\(x\) has shape \(2, 3, 1\), "
-     r"expected \(2, 3\)\)"),
-    ("broken", "ch99-normalize", r"2 of 2 checks failed \(first: rows sum to one: IndexError: .+"),
-    ("broken", "ch99-count_positive",
-     r"name 'count_positive' is not defined \(missing function\?\)"),
-    ("hostile", "ch99-double", rf"timed out after {CELL_TIMEOUT_S} s"),
-    ("hostile", "ch99-row_sum", r"your code called sys\.exit\(\) \(cell 8\)"),
-    ("hostile", "ch99-normalize", r"2 of 2 checks failed \(first: rows sum to one: .+"),
+     r"3 of 3 cases failed \(first, '\(2, 3, 4\) -> \(2, 3\)': your result has shape \(2, 3, 1\), "
+     r"expected \(2, 3\); hint: you keep the summed dimension: the result is \(B, T\), not "
+     r"\(B, T, 1\)\)"),
+    ("broken", "ch99-normalize",
+     r"3 of 3 cases failed \(first, 'rows sum to one': IndexError: Dimension out of range .+ "
+     r"\(line 2 of its cell\); hint: divide each row by its sum, keeping the last dimension\)"),
+    ("broken", "ch99-count_positive", r"not answered: the notebook does not define count_positive"),
+    ("hostile", "ch99-double",
+     rf"timed out after {T} s \(computing your double for the grader's inputs\)"),
+    ("hostile", "ch99-row_sum",
+     r"3 of 3 cases failed \(first, '\(2, 3, 4\) -> \(2, 3\)': SystemExit \(line 4 of its cell\); "
+     r"hint: .+\)"),
+    ("hostile", "ch99-normalize", r"\d of 3 cases failed \(first, 'rows sum to one': .+"),
     ("hostile", "ch99-count_positive", r"check cell missing"),
-    ("dies", "ch99-row_sum", r"kernel died \(exit status 1\) while running cell 8"),
-    ("dies", "ch99-normalize", r"kernel died \(exit status 1\) while running cell 8"),
-    ("dies", "ch99-count_positive", r"kernel died \(exit status 1\) while running cell 8"),
-    ("segfault", "ch99-row_sum", r"kernel died \(SIGSEGV\) while running cell 8"),
-    ("segfault", "ch99-count_positive", r"kernel died \(SIGSEGV\) while running cell 8"),
-    ("cheats", "ch99-double", r"the check cell reported success without the grader's signed "
-                              r"confirmation: the submission interfered with the kernel"),
-    ("cheats", "ch99-row_sum", r"a hidden test failed: row_sum\(torch\.ones\(1, 2, 3\)\) should "
-                               r"be \[\[3\.0, 3\.0\]\]"),
-    ("cheats", "ch99-normalize", r"calls course_attn\.attention\.softmax, the package's reference, "
-                                 r"instead of computing the answer itself"),
+    ("dies", "ch99-row_sum",
+     r"the kernel died \(exit status 1\) \(computing your row_sum for the grader's inputs\)"),
+    ("segfault", "ch99-row_sum",
+     r"the kernel died \(SIGSEGV\) \(computing your row_sum for the grader's inputs\)"),
+    ("cheats", "ch99-double", r"4 of 4 cases failed \(first, 'B=2, T=3': your result differs .+"),
+    ("cheats", "ch99-row_sum", r"1 of 3 cases failed \(first, a hidden case: your result differs "
+                               r"from the expected one: largest error .+\)"),
+    ("cheats", "ch99-normalize", r"calls course_attn\.attention\.softmax, which this exercise does "
+                                 r"not allow: write the computation yourself"),
     ("cheats", "ch99-count_positive",
-     r"the submission changed the grading code in the kernel: course_attn\.grading\.check, "
-     r"course_attn\.grading\.registry\.run_cases, course_attn\.grading\.registry\.run_checks"),
-    ("mess", "ch99-double", rf"ran out of memory \(the limit is {MEMORY_MB} MB\) in the check "
-                            r"'B=2, T=3'"),
-    ("mess", "ch99-count_positive", r"name 'count_positive' is not defined \(missing function\?\)"),
+     r"3 of 3 cases failed \(first, '\(3, 7\) -> \(3,\)': your result has shape \(\), expected "
+     r"\(3,\); hint: .+\)"),
+    ("mess", "ch99-double",
+     r"4 of 4 cases failed \(first, 'B=2, T=3': ran out of memory \(RuntimeError, line 6 of "
+     r"its cell\); hint: every entry times two\)"),
+    ("mess", "ch99-count_positive", r"not answered: the notebook does not define count_positive"),
 ]
 
 
@@ -305,8 +253,10 @@ def test_tampered_cells_are_restored_and_flagged(graded):
     assert flags == [
         "locked cell ch99-setup (cell 2) was modified; the original was run",
         "check cell ch99-normalize (cell 11) was modified; the original was run",
+        f"the evaluation of ch99-double was interrupted after {T} s (time limit); grading went on",
     ]
-    # the check ran although the student replaced it by `pass` and defined their own check()
+    # the exercise was graded although the student replaced its check cell by `pass` and
+    # defined their own check()
     assert scores(graded, "hostile")["ch99-normalize"]["max_points"] == 2
 
 
@@ -315,45 +265,41 @@ def test_a_deleted_setup_cell_is_put_back(graded):
         "locked cell ch99-setup was missing; the grader put it back"]
 
 
-def test_kernel_death_keeps_the_points_earned_before_it(graded):
-    for name in ("dies", "segfault"):
-        entry = graded["by_name"][name]
-        assert scores(graded, name)["ch99-double"]["passed"]
-        assert (entry["total"], entry["max"], entry["flags"]) == (2, 10, [])
+@pytest.mark.parametrize("name, how", [("dies", "died (exit status 1)"),
+                                       ("segfault", "died (SIGSEGV)")])
+def test_after_the_kernel_dies_the_later_exercises_keep_their_points(graded, name, how):
+    entry = graded["by_name"][name]
+    assert {gid: e["points"] for gid, e in scores(graded, name).items()} == {
+        "ch99-double": 2, "ch99-row_sum": 0, "ch99-normalize": 2, "ch99-count_positive": 3}
+    assert entry["flags"][0] == (f"the kernel {how} in the evaluation of ch99-row_sum; it was "
+                                 "restarted, the cells before it were run again, and grading "
+                                 "went on after it")
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
 def test_processes_that_a_dead_kernel_left_behind_are_killed(graded):
-    assert graded["by_name"]["dies"]["exercises"][1]["reason"].startswith("kernel died")
+    assert graded["by_name"]["dies"]["exercises"][1]["reason"].startswith("the kernel died")
     assert live_processes(LEFT_BEHIND) == []
 
 
-def test_every_forgery_and_shortcut_scores_zero_and_the_kernel_tampering_is_flagged(graded):
+def test_forgeries_and_patched_grading_code_are_worth_nothing(graded):
     entry = graded["by_name"]["cheats"]
     assert (entry["total"], entry["max"]) == (0, 10)
-    assert entry["flags"] == [
-        "check cell ch99-double (cell 5) ran without error but its pass was not confirmed by the "
-        "sealed check: the submission interfered with the kernel",
-        "ch99-count_positive (cell 14): the submission changed the grading code in the kernel: "
-        "course_attn.grading.check, course_attn.grading.registry.run_cases, "
-        "course_attn.grading.registry.run_checks",
-    ]
+    assert entry["flags"] == []
 
 
 def test_memory_bomb_huge_output_duplicate_and_reordered_cells(graded):
-    """The memory bomb fails its own checks and the kernel lives on: the next exercises pass."""
+    """The memory bomb fails its own exercise and the kernel lives on: the next ones pass."""
     entry = graded["by_name"]["mess"]
     got = scores(graded, "mess")
-    assert [got[g]["points"] for g in got] == [0, 3, 2, 0]
+    assert [got[g]["points"] for g in POINTS] == [0, 3, 2, 0]
     assert got["ch99-row_sum"]["reason"] == got["ch99-normalize"]["reason"] == "passed"
-    assert len(entry["flags"]) == 3, entry["flags"]
-    assert entry["flags"][0] == ("cell 11 repeats the grade_id ch99-normalize-solution of cell "
-                                 "10; both ran, in order")
-    assert entry["flags"][1] == ("cells are out of their original order: "
-                                 "ch99-count_positive-solution (cell 15) comes after "
-                                 "ch99-count_positive (cell 14)")
-    assert re.fullmatch(r"cell 7 printed 4,050,000 characters more than the 1,000,000 kept per "
-                        r"cell", entry["flags"][2]), entry["flags"][2]
+    assert entry["flags"] == [
+        "cell 11 repeats the grade_id ch99-normalize-solution of cell 10; both ran, in order",
+        "cells are out of their original order: ch99-count_positive-solution (cell 15) comes "
+        "after ch99-count_positive (cell 14)",
+        "cell 7 printed 5,050,000 characters of output",
+    ]
 
 
 def test_an_old_nbformat_is_converted_and_graded(graded):
@@ -398,6 +344,8 @@ def test_json_report_matches_the_table(graded):
         expected.append([entry["path"], "total", f"{entry['total']:g}", "/", f"{entry['max']:g}",
                          *(entry["error"] or "").split()])
         assert rows == expected
+        flags = [line.strip() for line in table if line.startswith("    flag: ")]
+        assert all(f"flag: {flag}" in flags for flag in entry["flags"])
     assert table[-1] == (f"all {len(report['notebooks'])} notebooks: "
                          f"{report['total']:g} / {report['max']:g}")
 
@@ -413,91 +361,98 @@ def double(x):
 """
 
 
-def test_time_limits_and_a_kernel_that_ignores_interrupts(tmp_path, monkeypatch):
-    """The notebook's limit (10 s) cuts a cell long before the cell's own (60 s); a kernel that
-    swallows the interrupt is given up on, and the rest is not run."""
-    monkeypatch.setenv("PYTHONPATH", kernel_env()["PYTHONPATH"])
-    slow = make_submission(tmp_path, "99_slow.ipynb", replace={
-        "ch99-double-solution": "def double(x):\n    while True:\n        pass\n"})
-    stuck = make_submission(tmp_path, "99_stuck.ipynb",
-                            replace={"ch99-double-solution": UNINTERRUPTIBLE})
-    grades = grader.grade_notebooks([slow, stuck], solutions_dir=FIXTURE_SOLUTIONS,
-                                    cell_timeout=60, notebook_timeout=10, jobs=2)
+def test_time_limits_and_a_kernel_that_ignores_interrupts(tmp_path):
+    """The notebook's limit (15 s) cuts a cell long before the cell's own (60 s); a kernel that
+    swallows the interrupt is restarted, and what is left of the notebook's time is not enough
+    for the rest."""
+    solution = solution_notebook(FIXTURE_SOLUTIONS / FIXTURE)
+    slow = write(edit(solution, replace={
+        "ch99-double-solution": "def double(x):\n    while True:\n        pass\n"}),
+        tmp_path / "99_slow.ipynb")
+    stuck = write(edit(solution, replace={"ch99-double-solution": UNINTERRUPTIBLE}),
+                  tmp_path / "99_stuck.ipynb")
+    grades = grader.grade_notebooks(
+        [slow, stuck], solutions_dir=FIXTURE_SOLUTIONS, cell_timeout=60, notebook_timeout=15,
+        check_modules=("course_fixture_ch99",), extra_path=(str(FIXTURES),), jobs=2)
     for grade in grades:
         reason = grade.exercises[0].reason
-        assert re.fullmatch(r"timed out after [\d.]+ s \(the rest of the notebook's time limit\)",
-                            reason), reason
-        assert grade.seconds < 45, grade.seconds  # far less than the 60 s the cell could take
-    slow_reasons, stuck_reasons = ([e.reason for e in g.exercises[1:]] for g in grades)
-    assert slow_reasons == ["not run: the notebook's time limit of 10 s was reached"] * 3
-    assert stuck_reasons == ["not run: the kernel stopped responding after cell 5 ran out of "
-                             "time"] * 3
+        assert re.fullmatch(r"timed out after [\d.]+ s \(computing your double for the grader's "
+                            r"inputs\)", reason), reason
+        assert grade.seconds < 50, grade.seconds  # far less than the 60 s the cell could take
+        assert [e.reason for e in grade.exercises[1:]] == [
+            "not graded: the notebook did not get that far"] * 3
+    slow_flags, stuck_flags = (g.flags for g in grades)
+    assert re.fullmatch(r"the notebook's time limit of 15 s was reached before cell 7; the rest "
+                        r"was not run", slow_flags[-1]), slow_flags
+    assert any(re.fullmatch(r"the kernel stopped answering after [\d.]+ s in the evaluation of "
+                            r"ch99-double; it was restarted, .+", flag)
+               for flag in stuck_flags), stuck_flags
 
 
 def test_usage_errors_exit_with_status_2(tmp_path, capsys):
-    assert grader.main([str(tmp_path / "missing.ipynb")]) == 2
+    assert cli.main([str(tmp_path / "missing.ipynb")]) == 2
     assert "no such file or folder" in capsys.readouterr().err
-    assert grader.main([str(tmp_path)]) == 2  # a folder without notebooks
+    assert cli.main([str(tmp_path)]) == 2  # a folder without notebooks
     assert "no .ipynb file" in capsys.readouterr().err
-    notebook = make_submission(tmp_path, "99_x.ipynb")
-    assert grader.main([str(notebook), "--timeout", "0"]) == 2
-    assert grader.main([str(notebook), "--solutions", str(tmp_path / "nowhere")]) == 2
+    notebook = write(solution_notebook(FIXTURE_SOLUTIONS / FIXTURE), tmp_path / "99_x.ipynb")
+    assert cli.main([str(notebook), "--timeout", "0"]) == 2
+    assert cli.main([str(notebook), "--solutions", str(tmp_path / "nowhere")]) == 2
+    assert cli.main([str(notebook), "--json", str(tmp_path / "no" / "such" / "r.json")]) == 2
+    assert cli.main([str(notebook), "--memory-mb", "100"]) == 2
+    assert "at least 256" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
-        grader.main([])
+        cli.main([])
     assert exit_info.value.code == 2
 
 
 def test_a_kernel_that_cannot_start_is_the_graders_failure(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(grader, "KERNEL_NAME", "no-such-kernel")
-    notebook = make_submission(tmp_path, "99_fine.ipynb")
-    grade = grader.grade_notebook(notebook, solutions_dir=FIXTURE_SOLUTIONS)
+    monkeypatch.setattr(kernel, "KERNEL_NAME", "no-such-kernel")
+    notebook = write(solution_notebook(FIXTURE_SOLUTIONS / FIXTURE), tmp_path / "99_fine.ipynb")
+    grade = grader.grade_notebook(notebook, solutions_dir=FIXTURE_SOLUTIONS,
+                                  check_modules=("course_fixture_ch99",))
     assert grade.grader_error and grade.error.startswith("could not start a no-such-kernel kernel")
     assert [e.reason for e in grade.exercises] == [f"not graded: {grade.error}"] * 4
-    assert grader.main([str(notebook), "--solutions", str(FIXTURE_SOLUTIONS)]) == 1
+    assert cli.main([str(notebook), *FIXTURE_OPTIONS, "--workers", "1"]) == 1
     assert "could not start" in capsys.readouterr().out
 
 
-def test_a_check_cell_without_its_metadata_is_still_found(tmp_path):
-    canonical = grader.load_canonical(FIXTURE_SOLUTIONS / FIXTURE)
+def test_the_kernel_gets_the_folders_of_the_check_modules_not_the_working_folder():
+    assert cli.module_folders(["course_fixture_ch99"]) == (str(FIXTURES),)
+    # the package itself (its kernel imports a copy), the standard library, nothing at all
+    assert cli.module_folders(["course_attn.grading.ch03", "json", "no_such_module"]) == ()
+
+
+def test_a_check_cell_without_its_metadata_is_still_found():
+    canonical = load_canonical(FIXTURE_SOLUTIONS / FIXTURE)
     nb = nbformat.read(FIXTURES / "exercises" / FIXTURE, as_version=4)
     check_cell = next(c for c in nb.cells if grade_id(c) == "ch99-double")
     del check_cell.metadata["nbgrader"]
     duplicate = nbformat.v4.new_code_cell('check("ch99.row_sum", row_sum)', metadata={
         "nbgrader": {"grade": True, "grade_id": "ch99-row_sum", "points": 3}})
     nb.cells.append(duplicate)
-    restored = grader.restore_protected_cells(nb, canonical)
-    placed = restored.placed
-    assert set(placed) == {"ch99-double", "ch99-row_sum", "ch99-normalize", "ch99-count_positive"}
+    restored = restore_protected_cells(nb, canonical)
+    assert set(restored.placed) == set(POINTS)
     assert restored.flags == [
         "cell 16 repeats the grade_id ch99-row_sum of cell 8; it ran as the student wrote it",
         "check cell ch99-double (cell 5) lost its nbgrader metadata; it was recognised by its "
         "source",
     ]
-    source = nb.cells[placed["ch99-row_sum"]].source
-    assert source == canonical.protected["ch99-row_sum"].source and "BEGIN HIDDEN TESTS" in source
+    assert nb.cells[restored.placed["ch99-row_sum"]].source == \
+        canonical.protected["ch99-row_sum"].source
 
 
-def test_check_cells_run_inside_the_sealed_check_with_a_fresh_nonce_each():
-    canonical = grader.load_canonical(FIXTURE_SOLUTIONS / FIXTURE)
-    nb = nbformat.read(FIXTURES / "exercises" / FIXTURE, as_version=4)
-    restored = grader.restore_protected_cells(nb, canonical)
-    seal = grader.Seal()
-    grader.seal_check_cells(nb, restored, canonical, seal)
-    assert sorted(seal.nonces) == sorted(restored.placed.values())
-    assert len(set(seal.nonces.values())) == 4
-    index = restored.placed["ch99-row_sum"]
-    nonce = seal.nonces[index]
-    assert nb.cells[index].source == (f"check = {seal.name}.begin({nonce!r})\n"
-                                      f"{canonical.protected['ch99-row_sum'].source}\n"
-                                      f"{seal.name}.end({nonce!r})\n")
-    assert seal.name != grader.Seal().name and len(seal.key) == 32
+def test_the_canonical_notebook_names_its_exercises_and_points():
+    canonical = load_canonical(FIXTURE_SOLUTIONS / FIXTURE)
+    assert {e.grade_id: e.points for e in canonical.exercises} == POINTS
+    assert [e.key for e in canonical.exercises] == [g.replace("-", ".") for g in POINTS]
+    assert set(canonical.protected) == {"ch99-setup", *POINTS}
 
 
 def test_a_deleted_locked_cell_goes_back_before_the_next_protected_cell():
-    canonical = grader.load_canonical(FIXTURE_SOLUTIONS / FIXTURE)
+    canonical = load_canonical(FIXTURE_SOLUTIONS / FIXTURE)
     nb = nbformat.read(FIXTURES / "exercises" / FIXTURE, as_version=4)
     del nb.cells[1]  # the setup
-    restored = grader.restore_protected_cells(nb, canonical)
+    restored = restore_protected_cells(nb, canonical)
     setup_at = next(i for i, c in enumerate(nb.cells) if grade_id(c) == "ch99-setup")
     double_check = restored.placed["ch99-double"]
     assert setup_at < double_check and grade_id(nb.cells[setup_at + 1]) != "ch99-setup"
@@ -508,29 +463,6 @@ def test_a_deleted_locked_cell_goes_back_before_the_next_protected_cell():
 
 def test_chapter_comes_from_metadata_then_file_name():
     nb = nbformat.v4.new_notebook(metadata={"course_attn": {"chapter": "ch07"}})
-    assert grader.chapter_of(nb, "03_masking.ipynb") == "ch07"
-    assert grader.chapter_of(nbformat.v4.new_notebook(), "03_masking.ipynb") == "ch03"
-    assert grader.chapter_of(None, "answers.ipynb") is None
-
-
-REAL_SOLUTIONS = sorted((ROOT / "solutions").glob("0[123]*.ipynb"))
-
-
-@pytest.mark.skipif(not REAL_SOLUTIONS, reason="solutions/0[123]*.ipynb not written yet")
-def test_real_chapters_solutions_full_marks_exercises_zero(tmp_path):
-    exercises = generate_all(ROOT / "solutions", tmp_path / "exercises")
-    chosen = [tmp_path / "exercises" / p.name for p in REAL_SOLUTIONS]
-    assert set(chosen) <= set(exercises)
-    result = subprocess.run(
-        [sys.executable, "-m", "course_attn.grade", *map(str, REAL_SOLUTIONS), *map(str, chosen),
-         "--json", str(tmp_path / "report.json"), "--jobs", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads((tmp_path / "report.json").read_text())
-    for entry in report["notebooks"]:
-        assert entry["max"] == 10 and entry["error"] is None and entry["flags"] == [], entry
-        if Path(entry["path"]).parent.name == "solutions":
-            assert entry["total"] == 10, result.stdout
-        else:
-            assert entry["total"] == 0, result.stdout
-            assert all(e["reason"] == "not implemented" for e in entry["exercises"]), entry
+    assert chapter_of(nb, "03_masking.ipynb") == "ch07"
+    assert chapter_of(nbformat.v4.new_notebook(), "03_masking.ipynb") == "ch03"
+    assert chapter_of(None, "answers.ipynb") is None

@@ -2,34 +2,41 @@
 
 - 50 submissions of the fixture chapter ch99, made from its solution with faults drawn at random
   (seeded): each exercise correct, stubbed, wrong, a syntax error, an exception, or (normalize,
-  whose reference is the package's ``softmax``) a call to the reference; and one endless loop
-  and one memory bomb, which must not hold up the others. The expected scores come from the
-  faults, not from running the grader.
+  whose reference is the package's ``softmax`` and which bans the package) a call to the
+  reference; and one endless loop and one memory bomb, which must not hold up the others. The
+  expected scores come from the faults, not from running the grader. The run's time is printed
+  (``pytest -s``): issue 8 asks that it stay within 1.5 times the 62-69 s of the grader before
+  it; it is measured here, never asserted.
 - A few students over the real chapters 2 and 3: folders with several chapters, a file per
   student, two attempts at one chapter, an empty folder, a file that is not a notebook, a
-  function that fits the visible checks but not the hidden tests, and a call to the reference.
+  function that passes the public cases but not the hidden ones, and a call to the reference.
 """
 
 import csv
 import hashlib
 import json
-import os
 import random
-import subprocess
+import re
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
 
-from course_attn.grading import batch
-from course_attn.grading.batch import collect_class, gradebook_paths
-from course_attn.grading.generate import generate_notebook, grade_id
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures"
-FIXTURE_SOLUTION = FIXTURES / "solutions" / "99_fixture.ipynb"
-CELL_TIMEOUT_S = 5
+from grading_support import (  # noqa: E402
+    FIXTURE, FIXTURE_OPTIONS, FIXTURE_SOLUTIONS, SOLUTIONS, by_grade_id, edit, exercise_of,
+    run_grader, solution_notebook, write,
+)
+
+from course_attn.grading import batch, cli  # noqa: E402
+from course_attn.grading.batch import collect_class, gradebook_paths  # noqa: E402
+from course_attn.grading.canonical import load_canonical  # noqa: E402
+from course_attn.grading.generate import grade_id  # noqa: E402
+
+# Generous: the setup cell imports torch, slow on a busy machine; only the endless loop waits
+# for it.
+CELL_TIMEOUT_S = 20
 MEMORY_MB = 1024
 
 POINTS = {"ch99-double": 2, "ch99-row_sum": 3, "ch99-normalize": 2, "ch99-count_positive": 3}
@@ -45,22 +52,17 @@ REFERENCE_CALLS = [
 ]
 FAULTS = ["correct", "stub", "wrong", "syntax", "exception", "reference"]
 RUNAWAYS = {"s03": ("ch99-double", "endless loop"), "s04": ("ch99-row_sum", "memory bomb")}
-# How each fault's reason reads (a prefix is enough: the rest names cells and cases).
+# How each fault's reason reads (a prefix, and what it must contain).
 REASONS = {
-    "correct": "passed",
-    "stub": "not implemented",
-    "wrong": "",  # "N of M checks failed (first: ...)"
-    "syntax": "SyntaxError in your code",
-    "exception": "",
-    "reference": "calls course_attn.attention.softmax, the package's reference",
-    "endless loop": f"timed out after {CELL_TIMEOUT_S} s",
-    "memory bomb": f"ran out of memory (the limit is {MEMORY_MB} MB) in the check",
+    "correct": ("passed", ""),
+    "stub": ("not implemented", ""),
+    "wrong": ("", " cases failed (first, "),
+    "syntax": ("SyntaxError in your code (cell ", ""),
+    "exception": ("", "ValueError: not today"),
+    "reference": ("calls course_attn.attention.softmax, which this exercise does not allow", ""),
+    "endless loop": (f"timed out after {CELL_TIMEOUT_S} s (computing your double", ""),
+    "memory bomb": ("", "ran out of memory (RuntimeError"),
 }
-
-
-def kernel_env() -> dict:
-    paths = [str(FIXTURES)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def faulty_source(gid: str, fault: str, solution: str, stub: str, rng: random.Random) -> str:
@@ -102,12 +104,11 @@ def draw_faults(rng: random.Random, n: int) -> list[dict[str, str]]:
 def write_class(root: Path, plans: list[dict[str, str]], rng: random.Random) -> dict[str, dict]:
     """One submission per plan: even students as a file ``sNN.ipynb``, odd ones as a folder
     ``sNN/99_fixture.ipynb``. Returns student -> plan."""
-    solution = nbformat.read(FIXTURE_SOLUTION, as_version=4)
-    exercise = generate_notebook(solution)
-    stubs = {grade_id(c): c.source for c in exercise.cells}
+    solution = solution_notebook(FIXTURE_SOLUTIONS / FIXTURE)
+    stubs = {grade_id(c): c.source for c in exercise_of(solution).cells}
     by_student = {}
     for number, plan in enumerate(plans):
-        nb = nbformat.read(FIXTURE_SOLUTION, as_version=4)
+        nb = solution_notebook(FIXTURE_SOLUTIONS / FIXTURE)
         for cell in nb.cells:
             gid = grade_id(cell) or ""
             exercise_id = gid.removesuffix("-solution")
@@ -115,20 +116,14 @@ def write_class(root: Path, plans: list[dict[str, str]], rng: random.Random) -> 
                 cell.source = faulty_source(exercise_id, plan[exercise_id], cell.source,
                                             stubs[gid], rng)
         student = f"s{number:02d}"
-        if number % 2:
-            (root / student).mkdir()
-            nbformat.write(nb, root / student / "99_fixture.ipynb")
-        else:
-            nbformat.write(nb, root / f"{student}.ipynb")
+        write(nb, root / student / FIXTURE if number % 2 else root / f"{student}.ipynb")
         by_student[student] = plan
     return by_student
 
 
-def grade_class(root: Path, out: Path, *extra: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "course_attn.grade", str(root), "--gradebook", str(out),
-         "--workers", "2", "--timeout", str(CELL_TIMEOUT_S), *extra],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+def grade_class(root: Path, out: Path, *extra: str):
+    return run_grader(str(root), "--gradebook", str(out), "--workers", "2", "--timeout",
+                      str(CELL_TIMEOUT_S), *extra)
 
 
 def digest(folder: Path) -> dict[str, str]:
@@ -144,9 +139,7 @@ def fixture_class(tmp_path_factory):
     expected = write_class(root, plans, rng)
     before = digest(root)
     out = tmp_path_factory.mktemp("gradebook99") / "grades"
-    result = grade_class(root, out, "--memory-mb", str(MEMORY_MB), "--solutions",
-                         str(FIXTURES / "solutions"), "--checks-module", "course_fixture_ch99",
-                         env=kernel_env())
+    result = grade_class(root, out, "--memory-mb", str(MEMORY_MB), *FIXTURE_OPTIONS)
     csv_path, json_path = gradebook_paths(out)
     book = json.loads(json_path.read_text()) if json_path.exists() else None
     return {"plans": expected, "result": result, "book": book, "csv": csv_path,
@@ -170,12 +163,15 @@ def test_fifty_submissions_get_the_scores_their_faults_deserve(fixture_class):
         assert student["scores"] == expected, (student["student"], plan, student)
         assert student["total"] == sum(expected.values())
         [notebook] = student["notebooks"]
-        assert notebook["counted"] and notebook["error"] is None and notebook["flags"] == []
+        assert notebook["counted"] and notebook["error"] is None
         for exercise in notebook["exercises"]:
-            prefix = REASONS[plan[exercise["grade_id"]]]
+            prefix, inside = REASONS[plan[exercise["grade_id"]]]
             assert exercise["reason"].startswith(prefix), (student["student"], exercise)
-            if plan[exercise["grade_id"]] in ("wrong", "exception"):
-                assert " checks failed (first: " in exercise["reason"], exercise
+            assert inside in exercise["reason"], (student["student"], exercise)
+        loops = plan["ch99-double"] == "endless loop"
+        assert notebook["flags"] == ([
+            f"the evaluation of ch99-double was interrupted after {CELL_TIMEOUT_S} s (time "
+            "limit); grading went on"] if loops else []), (student["student"], notebook)
 
 
 def test_the_csv_gradebook_has_a_row_per_student_and_a_column_per_exercise(fixture_class):
@@ -186,7 +182,7 @@ def test_the_csv_gradebook_has_a_row_per_student_and_a_column_per_exercise(fixtu
     assert [row[0] for row in rows[1:]] == [f"s{n:02d}" for n in range(50)]
     for row, student in zip(rows[1:], book["students"]):
         assert [float(x) for x in row[1:6]] == [*student["scores"].values(), student["total"]]
-        assert (row[6], row[7]) == ("10", "")
+        assert (row[6], row[7]) == ("10", "; ".join(student["notes"]))
 
 
 def test_the_submissions_are_read_once_and_never_changed(fixture_class):
@@ -201,7 +197,6 @@ def test_the_submissions_are_read_once_and_never_changed(fixture_class):
 
 # --- the real chapters -----------------------------------------------------------------------
 
-SOLUTIONS = ROOT / "solutions"
 CHAPTERS = {"ch02": SOLUTIONS / "02_scaled_dot_product.ipynb",
             "ch03": SOLUTIONS / "03_masking.ipynb"}
 
@@ -209,78 +204,72 @@ SCALE_OR_DEFAULT = '''import math
 
 def attention(q, k, v, scale=None):
     """softmax(q kᵀ · scale) v over the keys; no mask."""
-    scale = scale or 1.0 / math.sqrt(q.shape[-1])   # 0.0 is falsy: the hidden test catches it
+    scale = scale or 1.0 / math.sqrt(q.shape[-1])   # 0.0 is falsy: a hidden case catches it
     return stable_softmax(q @ k.transpose(-2, -1) * scale) @ v
 '''
 
 
 def real_notebook(chapter: str, *, exercise: bool = False, replace: dict | None = None):
-    nb = nbformat.read(CHAPTERS[chapter], as_version=4)
-    if exercise:
-        nb = generate_notebook(nb)
-    for cell in nb.cells:
-        if grade_id(cell) in (replace or {}):
-            cell.source = replace[grade_id(cell)]
-    return nb
+    nb = solution_notebook(CHAPTERS[chapter])
+    return exercise_of(nb) if exercise else edit(nb, replace=replace)
 
 
 @pytest.fixture(scope="module")
 def real_class(tmp_path_factory):
     root = tmp_path_factory.mktemp("class")
-    for student in ("ada", "cy", "dee", "eve"):
-        (root / student).mkdir()
-    (root / "ada" / "week3").mkdir()
-    nbformat.write(real_notebook("ch02"), root / "ada" / "02_scaled_dot_product.ipynb")
-    nbformat.write(real_notebook("ch03"), root / "ada" / "week3" / "03_masking.ipynb")
-    nbformat.write(real_notebook("ch03", exercise=True), root / "ben.ipynb")
-    nbformat.write(real_notebook("ch02", replace={"ch02-attention-solution": SCALE_OR_DEFAULT}),
-                   root / "cy" / "02_scaled_dot_product.ipynb")
-    nbformat.write(real_notebook("ch03", replace={
-        "ch03-causal_mask-solution": "from course_attn import causal_mask\n"}),
+    (root / "eve").mkdir()
+    write(real_notebook("ch02"), root / "ada" / "02_scaled_dot_product.ipynb")
+    write(real_notebook("ch03"), root / "ada" / "week3" / "03_masking.ipynb")
+    write(real_notebook("ch03", exercise=True), root / "ben.ipynb")
+    write(real_notebook("ch02", replace={"ch02-attention-solution": SCALE_OR_DEFAULT}),
+          root / "cy" / "02_scaled_dot_product.ipynb")
+    write(real_notebook("ch03", replace={
+        "ch03-padding_mask-solution": "from course_attn import padding_mask\n"}),
         root / "cy" / "03_masking.ipynb")
-    nbformat.write(real_notebook("ch03", exercise=True), root / "dee" / "03_first_try.ipynb")
-    nbformat.write(real_notebook("ch03"), root / "dee" / "03_masking.ipynb")
+    write(real_notebook("ch03", exercise=True), root / "dee" / "03_first_try.ipynb")
+    write(real_notebook("ch03"), root / "dee" / "03_masking.ipynb")
     (root / "fay.txt").write_text("I will hand it in next week\n")
     (root / ".DS_Store").write_bytes(b"\0")
     out = root / "grades"  # inside the class folder: the gradebook is not taken for a student
     result = grade_class(root, out)
     _, json_path = gradebook_paths(out)
     book = json.loads(json_path.read_text()) if json_path.exists() else None
-    return {"root": root, "result": result, "book": book}
+    points = {e.grade_id: e.points for chapter in ("ch02", "ch03")
+              for e in load_canonical(CHAPTERS[chapter]).exercises}
+    return {"root": root, "result": result, "book": book, "points": points}
 
 
 def test_a_class_over_the_real_chapters(real_class):
-    result, book = real_class["result"], real_class["book"]
+    result, book, points = real_class["result"], real_class["book"], real_class["points"]
     assert result.returncode == 0, result.stdout + result.stderr
     students = {s["student"]: s for s in book["students"]}
     assert list(students) == ["ada", "ben", "cy", "dee", "eve", "fay"]
-    assert [e["grade_id"] for e in book["exercises"]] == [
-        "ch02-attention_scores", "ch02-stable_softmax", "ch02-attention",
-        "ch03-causal_mask", "ch03-padding_mask", "ch03-masked_attention"]
+    assert [e["grade_id"] for e in book["exercises"]] == list(points)
+    most = sum(points.values())
+    ch03 = sum(p for gid, p in points.items() if gid.startswith("ch03"))
+    missed_by_cy = points["ch02-attention"] + points["ch03-padding_mask"]
     totals = {name: (s["total"], s["max"]) for name, s in students.items()}
-    assert totals == {"ada": (20, 20), "ben": (0, 20), "cy": (13, 20), "dee": (10, 20),
-                      "eve": (0, 20), "fay": (0, 20)}
+    assert totals == {"ada": (most, most), "ben": (0, most), "cy": (most - missed_by_cy, most),
+                      "dee": (ch03, most), "eve": (0, most), "fay": (0, most)}
     assert students["ben"]["notes"] == ["no notebook for ch02"]
     assert students["eve"]["notes"] == ["no notebook (.ipynb) in the folder",
                                         "no notebook for ch02", "no notebook for ch03"]
     assert students["fay"]["notes"][-1].startswith("fay.txt: not a notebook: invalid JSON")
-    assert students["dee"]["notes"][0] == ("2 notebooks for ch03: 03_masking.ipynb (10) counts, "
-                                           "not 03_first_try.ipynb (0)")
+    assert students["dee"]["notes"][0] == (f"2 notebooks for ch03: 03_masking.ipynb ({ch03:g}) "
+                                           "counts, not 03_first_try.ipynb (0)")
     assert [n["counted"] for n in students["dee"]["notebooks"]] == [False, True]
     assert all(not any(n["flags"]) for s in book["students"] for n in s["notebooks"])
 
 
-def test_hidden_tests_and_reference_calls_in_the_real_chapters(real_class):
+def test_hidden_cases_and_reference_calls_in_the_real_chapters(real_class):
     cy = next(s for s in real_class["book"]["students"] if s["student"] == "cy")
-    reasons = {e["grade_id"]: e["reason"] for n in cy["notebooks"] for e in n["exercises"]}
-    assert reasons["ch02-attention"] == (
-        "a hidden test failed: hidden test: attention(q, k, v, scale=0.0) is the mean of the "
-        "values differs from the reference: largest error 0.897")
-    assert reasons["ch03-causal_mask"] == (
-        "calls course_attn.masks.causal_mask, the package's reference, instead of computing the "
-        "answer itself")
-    assert [reasons[g] for g in ("ch02-attention_scores", "ch02-stable_softmax",
-                                 "ch03-padding_mask", "ch03-masked_attention")] == ["passed"] * 4
+    reasons = {gid: e["reason"] for n in cy["notebooks"] for gid, e in by_grade_id(n).items()}
+    assert re.fullmatch(r"1 of \d+ cases failed \(first, a hidden case: your result differs from "
+                        r"the expected one: largest error .+\)", reasons.pop("ch02-attention"))
+    assert reasons.pop("ch03-padding_mask") == (
+        "calls course_attn.masks.padding_mask, which this exercise does not allow: write the "
+        "computation yourself")
+    assert set(reasons.values()) == {"passed"}
 
 
 def test_collect_class_finds_a_file_or_a_folder_per_student(tmp_path):
@@ -320,11 +309,12 @@ def test_gradebook_usage_errors_exit_with_status_2(tmp_path, capsys):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     out = str(tmp_path / "grades")
-    assert batch.main([str(tmp_path / "a"), str(tmp_path / "b"), "--gradebook", out]) == 2
+    assert cli.main([str(tmp_path / "a"), str(tmp_path / "b"), "--gradebook", out]) == 2
     assert "give exactly one folder" in capsys.readouterr().err
-    assert batch.main([str(tmp_path / "a"), "--gradebook", out, "--json", out + ".json"]) == 2
-    assert batch.main([str(tmp_path / "a"), "--gradebook", str(tmp_path / "no" / "g")]) == 2
-    assert batch.main([str(tmp_path / "a"), "--gradebook", out, "--memory-mb", "100"]) == 2
+    assert cli.main([str(tmp_path / "a"), "--gradebook", out, "--json", out + ".json"]) == 2
+    assert cli.main([str(tmp_path / "a"), "--gradebook", str(tmp_path / "no" / "g")]) == 2
+    assert cli.main([str(tmp_path / "a"), "--gradebook", out, "--memory-mb", "100"]) == 2
     assert "at least 256" in capsys.readouterr().err
-    assert batch.main([str(tmp_path / "a"), "--gradebook", out, "--workers", "0"]) == 2
+    assert cli.main([str(tmp_path / "a"), "--gradebook", out, "--workers", "0"]) == 2
     assert gradebook_paths(tmp_path / "g.csv") == (tmp_path / "g.csv", tmp_path / "g.json")
+

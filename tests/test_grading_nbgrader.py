@@ -21,8 +21,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_attn.grading import grader
+from course_attn.grading.canonical import load_canonical
 from course_attn.grading.generate import RAISES_EXCEPTION_TAG, generate_notebook, grade_id
+from course_attn.grading.restore import restore_protected_cells
 
 pytest.importorskip("nbgrader", reason="nbgrader is not installed (an optional extra: see this "
                                        "file's docstring)")
@@ -64,8 +65,10 @@ def flagged_as_modified(flags: list[str]) -> set[str]:
     return {m.group(1) for flag in flags if (m := re.match(pattern, flag))}
 
 
-def test_modified_cells_are_those_whose_nbgrader_checksum_changed():
-    canonical = grader.load_canonical(FIXTURE)
+def test_modified_cells_are_those_whose_nbgrader_checksum_changed(monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURE.parents[1]))
+    __import__("course_fixture_ch99")  # registers the exercises of ch99
+    canonical = load_canonical(FIXTURE)
     released = nbgrader_release(nbformat.read(FIXTURE, as_version=4))
     checksums = {grade_id(c): compute_checksum(c) for c in released.cells
                  if grade_id(c) in canonical.protected}
@@ -79,6 +82,6 @@ def test_modified_cells_are_those_whose_nbgrader_checksum_changed():
             cell.metadata["nbgrader"]["points"] = 100
     changed = {grade_id(c) for c in student.cells
                if grade_id(c) in checksums and compute_checksum(c) != checksums[grade_id(c)]}
-    restored = grader.restore_protected_cells(student, canonical)
+    restored = restore_protected_cells(student, canonical)
     assert flagged_as_modified(restored.flags) == changed == {
         "ch99-setup", "ch99-double", "ch99-row_sum"}

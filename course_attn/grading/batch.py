@@ -153,7 +153,10 @@ def grade_files(submissions: list[Submission], canonicals: dict[str, Canonical |
                disable=not progress, mininterval=0.5)
     try:
         if workers <= 1 or len(submissions) <= 1:
-            _start_worker(canonicals, options, solutions_dir, adopt_orphans=False)
+            # In this process: what the submissions leave behind is killed after each one only
+            # where this process adopts orphans already (the command line does).
+            _start_worker(canonicals, options, solutions_dir,
+                          adopt_orphans=processes.is_subreaper())
             for i, submission in enumerate(submissions):
                 grades[i] = _grade_submission(submission)
                 bar.update(1)

@@ -140,8 +140,12 @@ def _masked_cases():
     yield Case("T=1", (*(randn(1, 1, 1, 4, seed=s) for s in (37, 38, 39)),
                        torch.ones(1, 1, dtype=torch.bool)),
                hint="one query, one allowed key: the output is that key's value")
-    yield Case("large scores (|q kᵀ/√D| in the hundreds)",
-               (*(randn(1, 2, 6, 16, seed=s, scale=10.0) for s in (40, 41, 42)), causal_mask(6)),
+    # float64 (scores in the thousands, past exp's range): in float32, large scores carry rounding errors of ~1e-5 that any correct
+    # order of operations (one query at a time, say) turns into output errors above float32's
+    # default atol; this case is about overflow, not about rounding.
+    yield Case("large scores (|q kᵀ/√D| in the thousands, float64)",
+               (*(randn(1, 2, 6, 16, seed=s, scale=40.0, dtype=torch.float64)
+                  for s in (40, 41, 42)), causal_mask(6)),
                hint="exp overflows for large scores: subtract each row's maximum before exp")
     yield Case("float64 in, float64 out, causal & padding",
                (*(randn(2, 2, 5, 8, seed=s, dtype=torch.float64) for s in (43, 44, 45)),

@@ -40,6 +40,36 @@ def _collect(paths: list[str]) -> list[Path]:
     return unique
 
 
+def module_folders(modules) -> tuple[str, ...]:
+    """The folders the kernels need on their PYTHONPATH to import ``modules`` as this process
+    does (a check module that the solution notebooks' setup cells import), and nothing else:
+    not this process's working folder, which may hold ``solutions/``."""
+    import importlib.util
+    folders: list[str] = []
+    for name in modules:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.origin or not Path(spec.origin).is_file():
+            continue
+        root = Path(spec.origin).resolve().parent
+        for _ in range(name.count(".") + (spec.submodule_search_locations is not None)):
+            root = root.parent
+        if str(root) not in folders and root != PACKAGE_ROOT and root not in _default_path():
+            folders.append(str(root))
+    return tuple(folders)
+
+
+def _default_path() -> set[Path]:
+    """The standard library's and site-packages' folders, which every kernel has anyway."""
+    import sysconfig
+    return {Path(p).resolve() for p in sysconfig.get_paths().values()}
+
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # where course_attn itself lives
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m course_attn.grade",
@@ -115,7 +145,8 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     options = GradingOptions(args.timeout, args.notebook_timeout, args.memory_mb,
-                             tuple(args.checks_module), extra_path=tuple(sys.path[:1]))
+                             tuple(args.checks_module),
+                             extra_path=module_folders(args.checks_module))
     if args.gradebook is not None:
         book = grade_class(Path(args.paths[0]), args.gradebook, solutions_dir=args.solutions,
                            options=options, workers=args.workers)

@@ -31,19 +31,34 @@ verdicts, and those outputs must be right for inputs it has not seen before (hid
 anew for each notebook). A table of the public answers, a patched comparison, a tampered check
 cell or a forged message are all worth nothing. What the kernel can still do:
 
-- *Banned calls* are watched inside the kernel (a profiler in every thread started through
-  ``threading``, and a report written the moment a call is seen). A submission that deliberately
-  disables the watch before calling a banned function (patching ``sys.setprofile`` with
-  ``ctypes``, walking ``gc`` to the watch, a thread started with ``_thread`` before the
-  evaluation) can evade that rule, though not the correctness of its answers. Switching the
-  profiler off from Python is itself reported.
+- *Banned calls* are watched inside the kernel, while the student's function computes the
+  grader's cases: a profiler in the calling thread, in every thread already running and in every
+  thread started through ``threading`` (a thread started with ``_thread`` itself, which no
+  profiler follows, counts as a banned call); each call is reported to a file the moment it is
+  seen, so clearing the watch's record afterwards is worth nothing. The grader's code runs as a
+  user expression, which IPython's input and AST transformers never see. Switching the profiler
+  off from Python, or leaving it off or the watch disarmed after the call (``ctypes``, the
+  watch's own state), is itself reported and flagged. What still evades the rule, though never
+  the correctness of the answers: switching the watch off and on again around the call (it is
+  reachable through ``sys.getprofile()``, the stack or ``gc``), a banned C function that C code
+  calls (``map(torch.softmax, ...)``, a ``functools.partial`` of it called inside the function),
+  another process that computes the reference (``subprocess``), patched builtins or a patched
+  IPython shell under the grader's own code. A thread of the submission that is still running
+  during an evaluation and calls a banned function counts, whatever it was started for.
 - *Copying* the reference's published source is new code, not a call.
 - *The operating system*: the kernel runs as the grader's user. It cannot reach ``solutions/``
-  through the package (it imports a copy in a scratch folder), but it can read any file that user
-  can read if it knows the path, use the network, or fill the disk. Grade untrusted work in a
-  container that holds only the package and the submissions, without network, e.g.
+  through the package (it imports a copy in a scratch folder; its ``PYTHONPATH`` holds that copy
+  and the folders of ``--checks-module``, not the grader's working folder), but it can read any
+  file that user can read if it knows the path, and the path is easy to learn (``/proc`` shows
+  the grader's working folder and command line). It can use the network, fill the disk, and,
+  until its notebook is done, reach the scratch folders of the notebooks graded beside it. No
+  process it starts outlives its notebook: they are found by a mark in their environment, or,
+  having cleared it, as orphans the grader adopts (a child subreaper), and stopped and killed
+  with every descendant. Grade untrusted work in a container that holds only the package and
+  the submissions, without network, e.g.
   ``docker run --rm --network none -v $PWD:/course:ro -v $PWD/grades:/grades -w /course IMAGE
-  python -m course_attn.grade /course/submissions --gradebook /grades/class``.
+  python -m course_attn.grade /course/submissions --gradebook /grades/class``, and with
+  ``--workers 1`` where submissions must not see each other.
 """
 
 import asyncio
@@ -58,7 +73,7 @@ from jupyter_core.utils import run_sync
 from . import processes
 from .canonical import Canonical, GradedExercise, GraderError, load_canonicals, lookup_in
 from .exercise import hidden_cases, load_hidden
-from .harness import WireError, decode, encode
+from .harness import SWITCHES_OFF, WireError, decode, encode
 from .judge import Answer, Judgement, describe_error, judge_case
 from .kernel import CellRun, Kernel
 from .notebook import ReadNotebook, chapter_of, parse_notebook, shorten
@@ -146,9 +161,11 @@ def _answers(evaluation: Evaluation) -> list[Answer]:
     raw = raw if isinstance(raw, list) else []
     if evaluation.graded.exercise.kind == "value" and raw:
         raw = raw[:1] * len(evaluation.cases)
-    mutated = {}
-    for item in (evaluation.answer or {}).get("mutated", []) or []:
-        if isinstance(item, list) and len(item) == 2 and all(isinstance(i, int) for i in item):
+    mutated = {}  # the answer is whatever the kernel wrote: nothing in it is trusted
+    items = (evaluation.answer or {}).get("mutated")
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, list) and len(item) == 2 and \
+                all(isinstance(i, int) and not isinstance(i, bool) for i in item):
             mutated[item[0]] = item[1]
     answers = []
     for number in range(len(evaluation.cases)):
@@ -160,8 +177,11 @@ def _answers(evaluation: Evaluation) -> list[Answer]:
             except WireError as error:
                 answers.append(Answer(unsendable=str(error)))
         elif isinstance(item.get("error"), dict):
-            answers.append(Answer(error={k: item["error"].get(k) for k in
-                                         ("type", "message", "line")}))
+            error, line = item["error"], item["error"].get("line")
+            answers.append(Answer(error={
+                "type": str(error.get("type") or "Exception")[:100],
+                "message": str(error.get("message") or "")[:2000],
+                "line": line if isinstance(line, int) and not isinstance(line, bool) else None}))
         elif "unencodable" in item:
             answers.append(Answer(unsendable=str(item["unencodable"])[:200]))
         else:
@@ -175,12 +195,13 @@ def _verdict(evaluation: Evaluation, runs: dict[int, CellRun], label, memory_mb:
     """Pass or fail, the reason, and flags, for one exercise."""
     exercise, run, flags = evaluation.graded.exercise, evaluation.run, []
     where = f"computing your {exercise.function} for the grader's inputs"
-    hits = list(dict.fromkeys(evaluation.hits + list((evaluation.answer or {}).get("banned", [])
-                                                     if isinstance((evaluation.answer or {})
-                                                                   .get("banned"), list) else [])))
-    hits = [str(h)[:200] for h in hits]
-    if any("switches off the watch" in h for h in hits):
-        flags.append(f"{evaluation.graded.grade_id}: the submission called {hits[0]}")
+    reported = (evaluation.answer or {}).get("banned")
+    reported = [h for h in reported if isinstance(h, str)] if isinstance(reported, list) else []
+    hits = list(dict.fromkeys(str(h)[:200] for h in evaluation.hits + reported))
+    switches = [h for h in hits if h.endswith(SWITCHES_OFF)]
+    if switches:
+        flags.append(f"{evaluation.graded.grade_id}: the submission switched off the watch for "
+                     f"banned calls ({switches[0].removesuffix(SWITCHES_OFF).strip()})")
     if run is None:
         return False, "not graded: the notebook did not get that far", flags
     if run.status != "ok" or evaluation.answer is None:

@@ -16,6 +16,7 @@ bytes)}}``. Nothing is ever unpickled or executed on decoding.
 """
 
 import base64
+import ctypes
 import json
 import math
 import os
@@ -27,6 +28,8 @@ import torch
 
 MAX_DEPTH = 32
 MAX_BYTES = 64 * 1024 * 1024
+MAX_DIMS = 64
+SWITCHES_OFF = "(it switches off the watch for banned calls)"  # ends the name of such a hit
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
     torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)}
@@ -45,7 +48,7 @@ def encode(value, depth: int = 0):
     if isinstance(value, int):
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else {"__float__": repr(value)}
+        return value if math.isfinite(value) else {"__float__": repr(float(value))}
     if isinstance(value, torch.Tensor):
         tensor = value.detach()
         if type(tensor) is not torch.Tensor:
@@ -91,9 +94,11 @@ def decode(data, depth: int = 0):
 
 def _decode_tensor(body: dict) -> torch.Tensor:
     dtype, shape, data = body.get("dtype"), body.get("shape"), body.get("data")
-    if dtype not in _DTYPES or not isinstance(shape, list) or not isinstance(data, str):
+    if not isinstance(dtype, str) or dtype not in _DTYPES or not isinstance(shape, list) or \
+            not isinstance(data, str):
         raise WireError("a malformed tensor")
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+    if len(shape) > MAX_DIMS or not all(isinstance(n, int) and not isinstance(n, bool) and
+                                        0 <= n < 2 ** 62 for n in shape):
         raise WireError("a tensor with a malformed shape")
     if len(data) > MAX_BYTES * 4 // 3 + 4:
         raise WireError("a tensor larger than the limit")
@@ -105,10 +110,13 @@ def _decode_tensor(body: dict) -> torch.Tensor:
     numel = math.prod(shape)
     if len(raw) != numel * torch.empty((), dtype=dtype).element_size():
         raise WireError("a tensor whose data does not fit its shape")
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
-        torch.empty(0, dtype=torch.uint8)
-    tensor = flat.view(dtype).reshape(shape) if numel else torch.empty(shape, dtype=dtype)
-    tensor.grading_device = str(body.get("device", "cpu"))  # where the student's tensor was
+    try:
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else \
+            torch.empty(0, dtype=torch.uint8)
+        tensor = flat.view(dtype).reshape(shape) if numel else torch.empty(shape, dtype=dtype)
+    except (RuntimeError, TypeError, ValueError, OverflowError):
+        raise WireError("a tensor that cannot be built from its shape") from None
+    tensor.grading_device = str(body.get("device", "cpu"))[:64]  # where the student's tensor was
     return tensor
 
 
@@ -148,9 +156,23 @@ class Watch:
     defined in it). ``allowed``: dotted names of functions that may be called even so; whatever
     they call in turn is allowed too. ``report(text)`` is called at once for each new hit (the
     grader's copy writes it to a file the moment it happens).
+
+    While armed, a profiler runs in the calling thread, in every thread that already exists
+    (CPython 3.10 and later) and in every thread started through ``threading``; a thread started
+    with ``_thread`` itself, which no profiler follows, is a hit. Switching the profiler off is a
+    hit too: from Python (``sys.setprofile``), and when the watch finds itself switched off
+    after the call. What the profiler cannot see: a C function that C code calls
+    (``map(torch.softmax, ...)``, a ``functools.partial`` of one called inside the student's
+    function); a torch function mode would, but it breaks ``torch.compile`` in the student's
+    code, so the watch does without.
     """
 
     _SWITCHES = ("setprofile", "settrace")
+    _THREAD_STARTERS = ("start_new_thread", "start_new", "start_joinable_thread")
+    SWITCHED_OFF = "the profiler or the watch's own state, changed during the call " + \
+        SWITCHES_OFF
+    UNFOLLOWED_THREAD = "_thread.start_new_thread (a thread that the watch for banned calls " \
+                        "cannot follow)"
 
     def __init__(self, banned=(), allowed=(), report=None):
         self.names = {}  # code object or builtin -> dotted name
@@ -160,19 +182,32 @@ class Watch:
         self.hits = []
         self._report = report
         self.armed = False
+        self._hook = self.hook  # one bound method, so that ``sys.getprofile() is`` it
+        self._threads = {}  # thread state -> (its profile function, its profile object)
+        self._failed = False
         for name in banned:
             self._ban(name)
         for name in allowed:
             code = _code_of(_resolve(name))
             if code is not None:
                 self.allowed_codes.add(code)
-        switches = [getattr(sys, s) for s in self._SWITCHES] + \
-            [getattr(threading, s) for s in self._SWITCHES]
-        self.switches = {id(s) for s in switches}
+        switches = [getattr(module, name + suffix) for module in (sys, threading)
+                    for name in self._SWITCHES for suffix in ("", "_all_threads")
+                    if hasattr(module, name + suffix)]
+        self.switches = {id(s) for s in switches}  # C functions (sys's)
+        self.switch_codes = {s.__code__: f"{s.__module__}.{s.__name__}" for s in switches
+                             if hasattr(s, "__code__")}  # Python functions (threading's)
+        import _thread
+        self.thread_starters = {id(getattr(_thread, s)) for s in self._THREAD_STARTERS
+                                if hasattr(_thread, s)}
 
     def _ban(self, name: str) -> None:
         if name.startswith("torch.Tensor."):
-            self.methods[name.rsplit(".", 1)[1]] = name
+            attribute = name.rsplit(".", 1)[1]
+            self.methods[attribute] = name  # a method written in C: seen as a bound builtin
+            code = _code_of(getattr(torch.Tensor, attribute, None))
+            if code is not None:  # a method written in Python (Tensor.backward)
+                self.names[code] = name
             return
         obj = _resolve(name)
         if obj is None:
@@ -189,6 +224,8 @@ class Watch:
     def _banned_name(self, frame, event, arg):
         if event == "call":
             code = frame.f_code
+            if code in self.switch_codes:
+                return f"{self.switch_codes[code]} {SWITCHES_OFF}"
             name = self.names.get(code)
             if name is None and self.packages and code not in self.allowed_codes:
                 for directory, package in self.packages:
@@ -200,8 +237,12 @@ class Watch:
             return name
         if event == "c_call":
             if id(arg) in self.switches:
-                return f"{getattr(arg, '__module__', None) or 'sys'}.{arg.__name__} (it " \
-                       "switches off the watch for banned calls)"
+                return f"{getattr(arg, '__module__', None) or 'sys'}.{arg.__name__} " + \
+                    SWITCHES_OFF
+            if id(arg) in self.thread_starters and not (
+                    frame.f_code.co_filename == threading.__file__ and
+                    getattr(threading, "_profile_hook", None) is self._hook):
+                return self.UNFOLLOWED_THREAD
             name = self.names.get(id(arg))
             if name is None and self.methods and isinstance(getattr(arg, "__self__", None),
                                                             torch.Tensor):
@@ -217,34 +258,183 @@ class Watch:
             frame = frame.f_back
         return False
 
-    def hook(self, frame, event, arg):
-        if not self.armed or event not in ("call", "c_call") or \
-                frame.f_code.co_filename == _OWN_FILE:
-            return
-        name = self._banned_name(frame, event, arg)
-        if name is None or self._allowed_caller(frame if event == "call" else
-                                               _FrameShim(frame)):
-            return
+    def _hit(self, name: str) -> None:
         if name not in self.hits:
             self.hits.append(name)
             if self._report is not None:
                 self._report(name)
 
+    def hook(self, frame, event, arg):
+        if not self.armed or event not in ("call", "c_call") or \
+                frame.f_code in _OWN_CODES:
+            return
+        try:
+            name = self._banned_name(frame, event, arg)
+            if name is None or self._allowed_caller(frame if event == "call" else
+                                                   _FrameShim(frame)):
+                return
+            self._hit(name)
+        except (KeyboardInterrupt, RecursionError, MemoryError):
+            # An interrupt (the time limit), a recursion or memory error raised in here makes
+            # CPython drop the profiler; that is no switching off by the submission.
+            self._failed = True
+            raise
+
+    def check_target(self, target) -> None:
+        """A hit if the exercise's function is itself a banned function (``stable_softmax =
+        torch.softmax``, or a ``functools.partial`` or a decorated copy of one): the grader
+        calls it from the watch's own frame, which the profiler does not watch."""
+        import functools
+        try:
+            for _ in range(10):
+                name = self._target_name(target)
+                if name is not None:
+                    self._hit(name)
+                    return
+                if isinstance(target, functools.partial):
+                    target = target.func
+                else:
+                    target = getattr(target, "__wrapped__", None) or \
+                        getattr(target, "__func__", None)
+                if target is None:
+                    return
+        except Exception:  # an object that answers oddly is no banned function
+            return
+
+    def _target_name(self, target):
+        code = getattr(target, "__code__", None)
+        name = self.names.get(code) if code is not None else self.names.get(id(target))
+        method = getattr(target, "__name__", None)
+        if name is None and self.methods and isinstance(method, str) and (
+                isinstance(getattr(target, "__self__", None), torch.Tensor) or
+                getattr(torch.Tensor, method, None) is target):
+            name = self.methods.get(method)
+        return name
+
     def __enter__(self):
-        self.armed = True
+        self._failed = False
         self._previous = sys.getprofile()
-        threading.setprofile(self.hook)
-        sys.setprofile(self.hook)
+        threading.setprofile(self._hook)
+        sys.setprofile(self._hook)
+        self._threads = _profile_other_threads(self._hook)
+        self.armed = True  # only now: setting the profilers up is no switching off
         return self
 
     def __exit__(self, *exc):
+        switched_off = not self._failed and (self.armed is not True or
+                                             sys.getprofile() is not self._hook)
         self.armed = False
-        sys.setprofile(self._previous if self._previous is not self.hook else None)
+        _unprofile_other_threads(self._hook, self._threads)
+        self._threads = {}
+        sys.setprofile(self._previous if self._previous is not self._hook else None)
         threading.setprofile(None)
+        if switched_off:
+            self._hit(self.SWITCHED_OFF)
         return False
 
 
-_OWN_FILE = globals().get("__file__", "<course_attn-harness>")  # the watch's own frames
+# --- the profiler in threads that already run ---------------------------------------------------
+
+class _ThreadState310(ctypes.Structure):  # the head of CPython 3.10's PyThreadState
+    _fields_ = [("prev", ctypes.c_void_p), ("next", ctypes.c_void_p),
+                ("interp", ctypes.c_void_p), ("frame", ctypes.c_void_p),
+                ("recursion_depth", ctypes.c_int), ("recursion_headroom", ctypes.c_int),
+                ("stackcheck_counter", ctypes.c_int), ("tracing", ctypes.c_int),
+                ("cframe", ctypes.c_void_p), ("c_profilefunc", ctypes.c_void_p),
+                ("c_tracefunc", ctypes.c_void_p), ("c_profileobj", ctypes.c_void_p),
+                ("c_traceobj", ctypes.c_void_p)]
+
+
+class _ThreadState311(ctypes.Structure):  # the head of CPython 3.11's PyThreadState
+    _fields_ = [("prev", ctypes.c_void_p), ("next", ctypes.c_void_p),
+                ("interp", ctypes.c_void_p), ("_initialized", ctypes.c_int),
+                ("_static", ctypes.c_int), ("recursion_remaining", ctypes.c_int),
+                ("recursion_limit", ctypes.c_int), ("recursion_headroom", ctypes.c_int),
+                ("tracing", ctypes.c_int), ("tracing_what", ctypes.c_int),
+                ("cframe", ctypes.c_void_p), ("c_profilefunc", ctypes.c_void_p),
+                ("c_tracefunc", ctypes.c_void_p), ("c_profileobj", ctypes.c_void_p),
+                ("c_traceobj", ctypes.c_void_p)]
+
+
+def _c_api():
+    """CPython's functions for walking thread states and setting their profiler, and the
+    layout of a thread state; None where this is not CPython 3.10 or 3.11."""
+    layout = {(3, 10): _ThreadState310, (3, 11): _ThreadState311}.get(sys.version_info[:2])
+    if layout is None or sys.implementation.name != "cpython":
+        return None
+    try:
+        api = ctypes.PyDLL(None)
+        functions = {}
+        for name, args in (("PyThreadState_Get", []), ("PyInterpreterState_Get", []),
+                           ("PyInterpreterState_ThreadHead", [ctypes.c_void_p]),
+                           ("PyThreadState_Next", [ctypes.c_void_p]),
+                           ("_PyEval_SetProfile", [ctypes.c_void_p] * 3)):
+            function = getattr(api, name)
+            function.argtypes = args
+            function.restype = ctypes.c_int if name == "_PyEval_SetProfile" else ctypes.c_void_p
+            functions[name] = function
+    except (AttributeError, OSError):
+        return None
+    return functions, layout
+
+
+def _thread_states(api):
+    state = api["PyInterpreterState_ThreadHead"](api["PyInterpreterState_Get"]())
+    while state:
+        yield state
+        state = api["PyThreadState_Next"](state)
+
+
+def _profile_other_threads(hook) -> dict:
+    """Give every other thread of this interpreter the profiler ``hook`` (which this thread
+    already has); returns what each had before, for ``_unprofile_other_threads``."""
+    if hasattr(threading, "setprofile_all_threads"):  # Python 3.12 and later
+        threading.setprofile_all_threads(hook)
+        return {}
+    found = _c_api()
+    if found is None:
+        return {}
+    api, layout = found
+    try:
+        me = api["PyThreadState_Get"]()
+        mine = layout.from_address(me)
+        # The layout is right only if this thread's profiler is the hook just set.
+        if mine.c_profileobj != id(hook) or mine.interp != api["PyInterpreterState_Get"]():
+            return {}
+        before = {}
+        for state in _thread_states(api):
+            if state == me:
+                continue
+            head = layout.from_address(state)
+            old = ctypes.cast(head.c_profileobj, ctypes.py_object).value \
+                if head.c_profileobj else None
+            before[state] = (head.c_profilefunc, old)
+            api["_PyEval_SetProfile"](state, mine.c_profilefunc, id(hook))
+        return before
+    except Exception:
+        return {}
+
+
+def _unprofile_other_threads(hook, before: dict) -> None:
+    if hasattr(threading, "setprofile_all_threads"):
+        threading.setprofile_all_threads(None)
+        return
+    found = _c_api()
+    if found is None:
+        return
+    api, layout = found
+    try:
+        me = api["PyThreadState_Get"]()
+        for state in _thread_states(api):
+            head = layout.from_address(state)
+            if state == me or head.c_profileobj != id(hook):
+                continue
+            function, old = before.get(state, (None, None))
+            if old is None:
+                function = None
+            api["_PyEval_SetProfile"](state, function, None if old is None else id(old))
+    except Exception:
+        pass
 
 
 class _FrameShim:
@@ -286,6 +476,8 @@ def evaluate(request_path: str, namespace: dict) -> None:
     answer = {"found": request["name"] in namespace, "results": [], "mutated": [], "banned": []}
     target = namespace.get(request["name"])
     watch = Watch(request.get("banned", ()), request.get("allowed", ()), report)
+    if answer["found"] and request["kind"] != "value":
+        watch.check_target(target)
     try:
         for number, case in enumerate(request["cases"] if answer["found"] else []):
             if request["kind"] == "value":
@@ -323,3 +515,26 @@ def _changed_argument(args, before: str) -> int:
         if index >= len(original) or encode(arg) != original[index]:
             return index
     return 0
+
+
+def _own_codes() -> frozenset:
+    """The code objects of this module's functions and methods (nested ones too): the watch's
+    own frames, which it does not watch. By identity, not by file name, which any code can
+    claim."""
+    found, todo = set(), []
+    for value in list(globals().values()):
+        if isinstance(value, type) and value.__module__ == __name__:
+            todo.extend(getattr(v, "__code__", None) for v in vars(value).values())
+        todo.append(getattr(value, "__code__", None))
+    while todo:
+        code = todo.pop()
+        if code is None or not hasattr(code, "co_consts") or code in found:
+            continue
+        if code.co_filename != _own_codes.__code__.co_filename:
+            continue
+        found.add(code)
+        todo.extend(c for c in code.co_consts if hasattr(c, "co_consts"))
+    return frozenset(found)
+
+
+_OWN_CODES = _own_codes()

@@ -5,8 +5,11 @@ the grader uses it in its own process, on the answers the kernel sent back."""
 from dataclasses import dataclass, field
 
 from .exercise import Case, Exercise
+from .harness import SWITCHES_OFF
 
 NOT_IMPLEMENTED = "not answered yet"
+OUT_OF_MEMORY = ("can't allocate memory", "Cannot allocate memory", "out of memory",
+                 "std::bad_alloc")
 
 
 @dataclass
@@ -49,8 +52,12 @@ class Judgement:
     def reason(self) -> str:
         """One sentence: why the exercise failed, or "passed"."""
         if self.banned:
-            return (f"calls {self.banned[0]}, which this exercise does not allow: write the "
-                    "computation yourself")
+            what = self.banned[0]
+            if what.endswith(SWITCHES_OFF):
+                return (f"switches off the watch for banned calls "
+                        f"({what.removesuffix(SWITCHES_OFF).strip()}), which no exercise allows")
+            return (f"calls {what}, which this exercise does not allow: write the computation "
+                    "yourself")
         if self.missing:
             return "not answered: the notebook does not define it"
         if self.not_implemented:
@@ -70,6 +77,9 @@ def describe_error(error: dict) -> str:
         return NOT_IMPLEMENTED
     line = f" (line {error['line']} of its cell)" if error.get("line") else ""
     message = str(error.get("message") or "").strip()
+    if error.get("type") == "MemoryError" or any(sign in message for sign in OUT_OF_MEMORY):
+        where = f", line {error['line']} of its cell" if error.get("line") else ""
+        return f"ran out of memory ({error.get('type', 'Exception')}{where})"
     return f"{error.get('type', 'Exception')}: {message}{line}" if message else \
         f"{error.get('type', 'Exception')}{line}"
 

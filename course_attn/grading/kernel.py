@@ -14,6 +14,7 @@ import queue
 import secrets
 import shutil
 import signal
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,26 @@ def copy_package(destination: Path) -> Path:
     return root
 
 
+def _read_regular_file(path: Path, limit: int, *, whole: bool = True) -> str:
+    """The text of ``path``, a file the kernel wrote: a regular file (not a link, a pipe or a
+    device, which could block or never end), read up to ``limit`` bytes; ValueError if it is
+    larger and ``whole``."""
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) |
+                         getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
+        with os.fdopen(descriptor, "rb") as file:
+            descriptor = None
+            data = file.read(limit + 1)
+    finally:
+        if descriptor is not None:
+            os.close(descriptor)
+    if len(data) > limit and whole:
+        raise ValueError(f"{path.name} is larger than {limit} bytes")
+    return data[:limit].decode("utf-8", errors="replace")
+
+
 def _limit_resources(memory_mb: int) -> None:
     """In the kernel's process, before it starts: no core dumps, at most ``memory_mb`` MiB of
     data (heap and private mappings); Linux counts every private anonymous mapping here."""
@@ -81,7 +102,8 @@ class Kernel:
         self.exchange.mkdir(parents=True, exist_ok=True)
         site = copy_package(scratch)
         inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        self.env = {**os.environ, processes.MARKER: self.token,
+        inherited_env = {k: v for k, v in os.environ.items() if k not in ("PWD", "OLDPWD")}
+        self.env = {**inherited_env, processes.MARKER: self.token,
                     "PYTHONPATH": os.pathsep.join([str(site), *extra_path, *inherited]),
                     "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "agg"}
 
@@ -141,10 +163,16 @@ class Kernel:
             if msg["parent_header"].get("msg_id") == msg_id:
                 return msg["content"]
 
-    async def run(self, code: str, limit_s: float, *, history: bool = True) -> CellRun:
-        """Execute ``code``; interrupt it after ``limit_s`` seconds."""
+    async def run(self, code: str, limit_s: float, *, history: bool = True,
+                  expression: str | None = None) -> CellRun:
+        """Execute ``code``; interrupt it after ``limit_s`` seconds. ``expression``: evaluate
+        this instead, as a user expression of an empty cell (IPython's input and AST
+        transformers, which a submission can install, never see it)."""
         started, chars = time.monotonic(), self.output_chars
-        msg_id = self.kc.execute(code, store_history=history, allow_stdin=False,
+        expressions = {} if expression is None else {"grader": expression}
+        msg_id = self.kc.execute("" if expression is not None else code,
+                                 store_history=history and expression is None,
+                                 user_expressions=expressions, allow_stdin=False,
                                  stop_on_error=False)
         try:
             content = await asyncio.wait_for(self._reply(msg_id), timeout=max(limit_s, 0.01))
@@ -160,11 +188,22 @@ class Kernel:
         else:
             if content is None:
                 run = CellRun("died", evalue=await self.exit_description())
-            elif content.get("status") == "ok":
-                run = CellRun("ok")
-            else:
+            elif content.get("status") != "ok":
                 run = CellRun("error", str(content.get("ename", "")),
                               str(content.get("evalue", "")))
+            elif expression is not None:
+                result = content.get("user_expressions", {})
+                result = result.get("grader") if isinstance(result, dict) else None
+                if not isinstance(result, dict):
+                    run = CellRun("error", "GraderError", "the kernel did not evaluate the "
+                                                          "grader's expression")
+                elif result.get("status") != "ok":
+                    run = CellRun("error", str(result.get("ename", "")),
+                                  str(result.get("evalue", "")))
+                else:
+                    run = CellRun("ok")
+            else:
+                run = CellRun("ok")
         run.seconds = time.monotonic() - started
         run.output_chars = self.output_chars - chars
         return run
@@ -186,28 +225,28 @@ class Kernel:
             self.exchange / f"{name}.hits"
         request = {**request, "answer": str(answer_path), "hits": str(hits_path)}
         request_path.write_text(json.dumps(request), encoding="utf-8")
-        code = ("(lambda _ns: (exec(compile(" + repr(_HARNESS_SOURCE) +
-                ", '<course_attn-harness>', 'exec'), _ns), _ns['evaluate'](" +
-                repr(str(request_path)) + ", globals())))({'__name__': 'course_attn_harness'})"
-                "\nNone")
-        run = await self.run(code, limit_s, history=False)
+        expression = ("(lambda _ns: (exec(compile(" + repr(_HARNESS_SOURCE) +
+                      ", '<course_attn-harness>', 'exec'), _ns), _ns['evaluate'](" +
+                      repr(str(request_path)) + ", globals()))[-1])"
+                      "({'__name__': 'course_attn_harness'})")
+        run = await self.run("", limit_s, history=False, expression=expression)
         answer = None
-        try:
-            if answer_path.stat().st_size <= harness.MAX_BYTES * 2:
-                answer = json.loads(answer_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        try:  # the kernel wrote this file: any bytes at all
+            answer = json.loads(_read_regular_file(answer_path, harness.MAX_BYTES * 2))
+        except (OSError, ValueError, RecursionError):
             answer = None
         hits = []
         try:
-            for line in hits_path.read_text(encoding="utf-8").splitlines()[:100]:
-                try:
-                    hit = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(hit, str) and hit not in hits:
-                    hits.append(hit[:200])
-        except OSError:
-            pass
+            text = _read_regular_file(hits_path, 64 * 1024, whole=False)
+        except (OSError, ValueError):
+            text = ""
+        for line in text.splitlines()[:100]:
+            try:
+                hit = json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(hit, str) and hit[:200] not in hits:
+                hits.append(hit[:200])
         for path in (request_path, answer_path, hits_path):
             path.unlink(missing_ok=True)
         return run, answer if isinstance(answer, dict) else None, hits

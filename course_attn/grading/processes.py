@@ -22,6 +22,7 @@ from pathlib import Path
 
 MARKER = "COURSE_ATTN_GRADING_RUN"
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 
 
 def become_subreaper() -> bool:
@@ -29,6 +30,17 @@ def become_subreaper() -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def is_subreaper() -> bool:
+    """Whether this process adopts its orphaned descendants (see ``become_subreaper``)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        flag = ctypes.c_int(0)
+        return libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and \
+            bool(flag.value)
     except (OSError, AttributeError):
         return False
 
@@ -59,34 +71,79 @@ def _carries(pid: int, token: str) -> bool:
     return f"{MARKER}={token}".encode() in environ.split(b"\0")
 
 
-def _kill(pids) -> int:
-    killed = 0
+def _signal(pids, signum) -> set[int]:
+    """Send ``signum`` to each of ``pids`` (never this process); the ones it reached."""
+    reached = set()
     for pid in pids:
         if pid == os.getpid():
             continue
         try:
-            os.kill(pid, signal.SIGKILL)
-            killed += 1
+            os.kill(pid, signum)
+            reached.add(pid)
         except (ProcessLookupError, PermissionError):
             pass
-    for pid in pids:  # reap the ones that are our children, so no zombie stays
+    return reached
+
+
+def _reap() -> None:
+    """Collect this process's children that have ended, so that no zombie stays."""
+    for pid in children():
         try:
             os.waitpid(pid, os.WNOHANG)
         except (ChildProcessError, OSError):
             pass
-    return killed
+
+
+def _descendants(roots: set[int], parents: dict[int, int]) -> set[int]:
+    found, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in found and child not in roots:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _kill_all(select, rounds: int = 50) -> int:
+    """Kill the processes that ``select(parents)`` names, with all their descendants: each
+    round stops them first (a stopped process cannot fork), takes in the children they made
+    meanwhile, then kills them all; rounds go on until a look finds none. How many were
+    killed."""
+    killed: set[int] = set()
+    for _ in range(rounds):
+        parents = dict(_processes())
+        found = set(select(parents))
+        found |= _descendants(found, parents)
+        found -= killed | {os.getpid()}
+        found = {pid for pid in found if _state(pid) not in ("Z", "X", None)}
+        if not found:
+            break
+        stopped = _signal(found, signal.SIGSTOP)
+        while True:  # children made before the stop landed
+            parents = dict(_processes())
+            more = _descendants(stopped, parents) - stopped - killed - {os.getpid()}
+            if not more:
+                break
+            stopped |= _signal(more, signal.SIGSTOP)
+        killed |= _signal(stopped, signal.SIGKILL)
+        _reap()
+    _reap()
+    return len(killed)
+
+
+def _state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (R, S, Z, ...), or None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def kill_marked(token: str) -> int:
-    """Kill every process whose environment carries this grading run's token (repeated until
-    none is left, since a process can fork while we look); how many were killed."""
-    total = 0
-    for _ in range(10):
-        found = [pid for pid, _ in _processes() if _carries(pid, token)]
-        if not found:
-            break
-        total += _kill(found)
-    return total
+    """Kill every process whose environment carries this grading run's token, and all their
+    descendants (whatever environment they gave themselves); how many were killed."""
+    return _kill_all(lambda parents: [pid for pid in parents if _carries(pid, token)])
 
 
 def _own_helpers() -> set[int]:
@@ -100,11 +157,9 @@ def _own_helpers() -> set[int]:
 
 
 def kill_new_children(before: set[int]) -> int:
-    """Kill this process's children that were not among ``before`` (adopted orphans)."""
-    total = 0
-    for _ in range(10):
-        found = children() - before - _own_helpers()
-        if not found:
-            break
-        total += _kill(found)
-    return total
+    """Kill this process's children that were not among ``before`` (adopted orphans), and all
+    their descendants."""
+    me, helpers = os.getpid(), _own_helpers()
+    return _kill_all(lambda parents: [pid for pid, parent in parents.items()
+                                      if parent == me and pid not in before and
+                                      pid not in helpers])

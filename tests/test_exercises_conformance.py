@@ -1,0 +1,179 @@
+"""Every registered exercise, tested the same way (the architecture review's "checks tested once,
+not per chapter"); a new chapter's exercises are covered by registering them.
+
+For each exercise ``chNN.name``:
+
+- the solution notebook's answer (its setup cell and solution cells, run in this process) passes
+  every public case and the hidden cases drawn with several seeds, without a banned call;
+- a stub that raises NotImplementedError, and the exercise notebook's own stub, fail every case
+  and read "not answered yet";
+- every typical mistake it declares fails at least one public case, and is named there by its
+  own hint (not by another mistake's);
+- a function of inputs has hidden cases, which change with the seed.
+
+For each chapter: the solution notebook grades each registered exercise once, its grade cells'
+points are the ones its headings announce, and they add up to the total its introduction states.
+"""
+
+import re
+from functools import cache
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from course_attn.grading import all_exercises, run_exercise
+from course_attn.grading.canonical import load_canonical, solution_chapters
+from course_attn.grading.exercise import hidden_cases, load_hidden
+from course_attn.grading.generate import grade_id, is_grade_cell, is_solution_cell, \
+    nbgrader_metadata
+from course_attn.grading.judge import NOT_IMPLEMENTED
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS, EXERCISES = ROOT / "solutions", ROOT / "exercises"
+HIDDEN_SEEDS = range(5)
+
+EXERCISES_BY_KEY = all_exercises()
+KEYS = sorted(EXERCISES_BY_KEY)
+CHAPTER_NOTEBOOKS = solution_chapters(SOLUTIONS)
+CHAPTERS = sorted({key.split(".")[0] for key in KEYS})
+load_hidden(SOLUTIONS)
+
+
+@cache
+def notebook_namespace(path: Path) -> dict:
+    """What running a notebook's setup (locked code) cells and solution cells leaves behind,
+    in order, in a fresh namespace; a cell that raises (an exercise notebook's stub) stops
+    only itself."""
+    namespace: dict = {"__name__": "__notebook__"}
+    for cell in nbformat.read(path, as_version=4).cells:
+        meta = nbgrader_metadata(cell)
+        if cell.cell_type != "code" or not (is_solution_cell(cell) or meta.get("locked")) or \
+                is_grade_cell(cell):
+            continue
+        try:
+            exec(compile(cell.source, f"{path.name}:{grade_id(cell)}", "exec"), namespace)
+        except NotImplementedError:
+            pass
+    return namespace
+
+
+def answer_in(folder: Path, key: str):
+    exercise = EXERCISES_BY_KEY[key]
+    path = folder / CHAPTER_NOTEBOOKS[exercise.chapter].name
+    return notebook_namespace(path).get(exercise.function, _MISSING)
+
+
+_MISSING = object()
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+def summary(judgement) -> dict[str, str]:
+    return {r.name: r.message for r in judgement.results if not r.passed}
+
+
+def test_there_are_exercises_and_every_one_has_a_solution_notebook():
+    assert len(KEYS) >= 9
+    assert set(CHAPTERS) <= set(CHAPTER_NOTEBOOKS), sorted(set(CHAPTERS) - set(CHAPTER_NOTEBOOKS))
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_the_solution_passes_every_public_case(key):
+    exercise, answer = EXERCISES_BY_KEY[key], answer_in(SOLUTIONS, key)
+    assert answer is not _MISSING, f"the solution notebook does not define {exercise.function}"
+    judgement = run_exercise(exercise, answer)
+    assert judgement.results, f"{key} has no public case"
+    assert judgement.passed, (summary(judgement), judgement.banned)
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_the_solution_passes_the_hidden_cases_of_several_seeds(key):
+    exercise, answer = EXERCISES_BY_KEY[key], answer_in(SOLUTIONS, key)
+    for seed in HIDDEN_SEEDS:
+        cases = hidden_cases(key, seed)
+        if not cases:
+            continue
+        judgement = run_exercise(exercise, answer, cases)
+        assert judgement.passed, (seed, summary(judgement), judgement.banned)
+
+
+def takes_inputs(key: str) -> bool:
+    """A function of inputs, which a table of the public answers could fake (not a prediction
+    or a value, which has one answer)."""
+    exercise = EXERCISES_BY_KEY[key]
+    return exercise.kind == "function" and any(
+        case.args or case.kwargs for case in exercise.public_cases())
+
+
+@pytest.mark.parametrize("key", [k for k in KEYS if takes_inputs(k)])
+def test_a_function_of_inputs_has_hidden_cases_that_change_with_the_seed(key):
+    drawn = [hidden_cases(key, seed) for seed in HIDDEN_SEEDS]
+    assert all(drawn), f"{key} has no hidden cases in solutions/hidden/{key[:4]}.py"
+    assert len({repr([c.args for c in cases]) for cases in drawn}) > 1 or len(drawn[0]) > 1
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_a_stub_fails_every_case_as_not_answered(key):
+    exercise = EXERCISES_BY_KEY[key]
+    for answer in (stub if exercise.kind == "function" else None, answer_in(EXERCISES, key)):
+        if answer is _MISSING:  # the exercise notebook's stub is at the cell's top level
+            continue
+        judgement = run_exercise(exercise, answer)
+        assert judgement.results and not any(r.passed for r in judgement.results)
+        if exercise.kind == "function":
+            assert judgement.not_implemented, summary(judgement)
+            assert {r.message for r in judgement.results} == {NOT_IMPLEMENTED}
+
+
+MISTAKES = [(key, number) for key in KEYS
+            for number in range(len(EXERCISES_BY_KEY[key].mistakes))]
+
+
+@pytest.mark.parametrize("key, number", MISTAKES, ids=[f"{k}-{n}" for k, n in MISTAKES])
+def test_a_typical_mistake_fails_a_public_case_with_its_own_hint(key, number):
+    exercise = EXERCISES_BY_KEY[key]
+    mistake = exercise.mistakes[number]
+    answer = mistake.fn() if exercise.kind == "value" else mistake.fn
+    judgement = run_exercise(exercise, answer, watch_banned=False)
+    failed = [r for r in judgement.results if not r.passed]
+    assert failed, f"no public case of {key} catches the mistake {mistake.hint!r}"
+    hints = {r.name: r.hint for r in failed}
+    assert mistake.hint in hints.values(), (
+        f"{key}: the mistake {mistake.hint!r} fails {sorted(hints)} but is never named by its "
+        f"own hint; the cases name it {set(hints.values())}")
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_the_solution_notebook_grades_each_exercise_once_and_its_points_add_up(chapter):
+    path = CHAPTER_NOTEBOOKS[chapter]
+    canonical = load_canonical(path)
+    registered = [k for k in KEYS if k.startswith(chapter + ".")]
+    graded = [e.key for e in canonical.exercises]
+    assert sorted(graded) == registered and len(set(graded)) == len(graded)
+    points = [e.points for e in canonical.exercises]
+    assert all(p > 0 for p in points)
+    text = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells
+                     if c.cell_type == "markdown")
+    headings = [int(p) for p in re.findall(r"^## Exercise \d+: .*\((\d+) points?\)\s*$", text,
+                                           re.MULTILINE)]
+    assert headings == points, (headings, points)
+    totals = {int(t) for t in re.findall(r"(\d+) points in all", text)}
+    assert totals == {sum(points)}, (totals, points)
+    breakdown = re.search(r"out of (\d+) points \(([\d +]+)\)", text)
+    if breakdown:
+        assert int(breakdown.group(1)) == sum(points)
+        assert [int(p) for p in breakdown.group(2).split("+")] == points
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_the_exercise_notebook_has_the_same_grade_cells_and_points(chapter):
+    solution = nbformat.read(CHAPTER_NOTEBOOKS[chapter], as_version=4)
+    exercise = nbformat.read(EXERCISES / CHAPTER_NOTEBOOKS[chapter].name, as_version=4)
+
+    def grade_cells(nb):
+        return [(grade_id(c), nbgrader_metadata(c).get("points")) for c in nb.cells
+                if is_grade_cell(c)]
+    assert grade_cells(exercise) == grade_cells(solution)
