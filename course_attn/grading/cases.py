@@ -98,21 +98,3 @@ def expect_number(actual, expected: float, case=None, *, rtol: float = 1e-6,
         raise AssertionError(f"your answer should be a number, got {type(actual).__name__}")
     if not math.isclose(actual, expected, rel_tol=rtol, abs_tol=atol):
         raise AssertionError(f"your answer is {actual:.6g}, expected {expected:.6g}")
-
-
-def expect_relative(rtol: float):
-    """``expect_number`` within a relative tolerance: for estimates and measurements."""
-    def compare(actual, expected, case=None):
-        expect_number(actual, expected, case, rtol=rtol)
-    return compare
-
-
-def expect_equal(actual, expected, case=None) -> None:
-    """``actual == expected`` for plain values (ints, strings, tuples of them)."""
-    if type(actual) is not type(expected) and not (isinstance(actual, (list, tuple))
-                                                   and isinstance(expected, (list, tuple))):
-        raise AssertionError(f"your answer should be a {type(expected).__name__}, got "
-                             f"{type(actual).__name__}")
-    if (list(actual) if isinstance(actual, (list, tuple)) else actual) != \
-            (list(expected) if isinstance(expected, (list, tuple)) else expected):
-        raise AssertionError(f"your answer {actual!r} is not the expected one")

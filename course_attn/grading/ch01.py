@@ -32,17 +32,6 @@ def softmax_list_reference(scores: list) -> list:
     return softmax(torch.tensor(scores, dtype=torch.float64), dim=-1).tolist()
 
 
-def _expect_float_list(actual, expected, case=None):
-    """``expect_float_list``, where NaN in ``actual`` matches NaN in ``expected``: the references
-    never hold NaN, but the typical mistakes (inf / inf, 0 / 0) do, and must be recognised."""
-    if isinstance(actual, list) and isinstance(expected, list) and len(actual) == len(expected):
-        both_nan = [isinstance(a, float) and isinstance(e, float) and math.isnan(a) and
-                    math.isnan(e) for a, e in zip(actual, expected)]
-        actual = [0.0 if nan else a for a, nan in zip(actual, both_nan)]
-        expected = [0.0 if nan else e for e, nan in zip(expected, both_nan)]
-    expect_float_list(actual, expected, case)
-
-
 def _naive_softmax_list(scores):
     exps = [math.exp(s) if s < 709 else math.inf for s in scores]
     total = sum(exps)
@@ -72,7 +61,7 @@ def _softmax_list_cases():
 
 register(Exercise(
     key="ch01.softmax_list", function="softmax_list", reference=softmax_list_reference,
-    cases=_softmax_list_cases, compare=_expect_float_list,
+    cases=_softmax_list_cases, compare=expect_float_list,
     banned=("course_attn",) + NO_LIBRARY_SOFTMAX,
     mistakes=(
         Mistake("you shift by the first score, not the largest: exp overflows when a later "

@@ -24,23 +24,6 @@ from .exercise import Case, Exercise, Mistake, register
 from .ch01 import NO_LIBRARY_ATTENTION, NO_LIBRARY_SOFTMAX
 
 
-def expect_tensor_same_nan(actual, expected, case=None):
-    """``expect_tensor``, where NaN in ``actual`` matches NaN in ``expected``. The references
-    never hold NaN, so for a student's answer this is ``expect_tensor``; but the typical mistakes
-    do (exp overflowing to inf / inf, a row of -inf giving 0 / 0), and a student's answer with
-    the same NaN must be recognised as that mistake."""
-    if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor) and \
-            actual.shape == expected.shape and actual.dtype == expected.dtype and \
-            expected.is_floating_point():
-        both = actual.isnan() & expected.isnan()
-        if both.any():
-            device = getattr(actual, "grading_device", None)
-            actual, expected = actual.masked_fill(both, 0.0), expected.masked_fill(both, 0.0)
-            if device is not None:
-                actual.grading_device = device
-    expect_tensor(actual, expected, case)
-
-
 def attention_scores_reference(q, k, scale=None):
     """(…, Tq, D), (…, Tk, D) -> (…, Tq, Tk): q kᵀ times scale (1/sqrt(D) when None)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -158,7 +141,7 @@ def _softmax_cases():
 register(Exercise(
     key="ch02.stable_softmax", function="stable_softmax",
     reference=lambda x, dim=-1: softmax(x, dim=dim), cases=_softmax_cases,
-    compare=expect_tensor_same_nan,
+    compare=expect_tensor,
     banned=("course_attn",) + NO_LIBRARY_SOFTMAX + ("torch.nn.functional.log_softmax",
                                                    "torch.log_softmax", "torch.Tensor.log_softmax"),
     mistakes=(
@@ -208,7 +191,7 @@ def _attention_cases():
 
 register(Exercise(
     key="ch02.attention", function="attention", reference=attention_reference,
-    cases=_attention_cases, compare=expect_tensor_same_nan, banned=NO_LIBRARY_ATTENTION,
+    cases=_attention_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
         Mistake("you did not scale the scores by 1/sqrt(D)",
                 lambda q, k, v, scale=None: attention_reference(q, k, v, scale=1.0)),

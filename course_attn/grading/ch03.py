@@ -25,7 +25,6 @@ from ..masks import causal_mask, padding_mask
 from .cases import expect_tensor, randn, random_mask
 from .exercise import Case, Exercise, Mistake, register
 from .ch01 import NO_LIBRARY_ATTENTION
-from .ch02 import expect_tensor_same_nan
 
 NO_LIBRARY_MASKS = ("course_attn", "torch.nn.attention.bias.causal_lower_right",
                     "torch.nn.attention.bias.causal_upper_left",
@@ -156,7 +155,7 @@ def _masked_cases():
 register(Exercise(
     key="ch03.masked_attention", function="masked_attention",
     reference=lambda q, k, v, mask: scaled_dot_product_attention(q, k, v, attn_mask=mask),
-    cases=_masked_cases, compare=expect_tensor_same_nan, banned=NO_LIBRARY_ATTENTION,
+    cases=_masked_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
         Mistake("a query that may attend to no key gets the mean of the values: filling "
                 "forbidden scores with a large finite number (-1e9, finfo.min) makes such a row "

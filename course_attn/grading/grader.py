@@ -70,11 +70,10 @@ from pathlib import Path
 
 from jupyter_core.utils import run_sync
 
-from . import processes
 from .canonical import Canonical, GradedExercise, GraderError, load_canonicals, lookup_in
 from .exercise import hidden_cases, load_hidden
 from .harness import SWITCHES_OFF, WireError, decode, encode
-from .judge import Answer, Judgement, describe_error, judge_case
+from .judge import Answer, Judgement, judge_case
 from .kernel import CellRun, Kernel
 from .notebook import ReadNotebook, chapter_of, parse_notebook, shorten
 from .report import ExerciseScore, NotebookGrade, format_table, report  # noqa: F401 (API)
@@ -412,8 +411,3 @@ def grade_notebook(path: Path | str, **options) -> NotebookGrade:
 def default_solutions_dir() -> Path:
     here = Path("solutions")
     return here if here.is_dir() else Path(__file__).resolve().parents[2] / "solutions"
-
-
-def sweep_leftovers(children_before: set[int]) -> int:
-    """Kill the orphans this process adopted while grading (see ``processes``)."""
-    return processes.kill_new_children(children_before)

@@ -2,7 +2,10 @@
 names the mistake. Pure computation on plain values; ``check()`` uses it in the notebook and
 the grader uses it in its own process, on the answers the kernel sent back."""
 
+import math
 from dataclasses import dataclass, field
+
+import torch
 
 from .exercise import Case, Exercise
 from .harness import SWITCHES_OFF
@@ -84,9 +87,32 @@ def describe_error(error: dict) -> str:
         f"{error.get('type', 'Exception')}{line}"
 
 
-def _matches(exercise: Exercise, value, expected) -> bool:
+def _without_shared_nans(a, b):
+    """``a`` and ``b`` with 0 where both hold NaN (tensors of one shape and dtype, or lists of
+    one length); anything else unchanged. The references never hold NaN, but typical mistakes do
+    (exp overflowing to inf / inf, a row of -inf giving 0 / 0)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
+            a.dtype == b.dtype and b.is_floating_point():
+        both = a.isnan() & b.isnan()
+        if both.any():
+            device = getattr(a, "grading_device", None)
+            a, b = a.masked_fill(both, 0.0), b.masked_fill(both, 0.0)
+            if device is not None:
+                a.grading_device = device
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        both = [isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)
+                for x, y in zip(a, b)]
+        a = [0.0 if nan else x for x, nan in zip(a, both)]
+        b = [0.0 if nan else y for y, nan in zip(b, both)]
+    return a, b
+
+
+def same_answer(exercise: Exercise, a, b) -> bool:
+    """Whether ``exercise.compare`` accepts ``a`` for ``b``, NaN matching NaN: how a student's
+    wrong answer is recognised as a typical mistake's."""
+    a, b = _without_shared_nans(a, b)
     try:
-        exercise.compare(value, expected, None)
+        exercise.compare(a, b, None)
         return True
     except Exception:
         return False
@@ -99,7 +125,7 @@ def name_the_mistake(exercise: Exercise, case: Case, value) -> str:
             wrong = mistake.fn(*case.args, **dict(case.kwargs))
         except Exception:
             continue
-        if _matches(exercise, value, wrong):
+        if same_answer(exercise, value, wrong):
             return mistake.hint
     return ""
 
