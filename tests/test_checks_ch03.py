@@ -1,11 +1,14 @@
-"""Chapter 3's exercises: the references pass every case (hidden ones too), each typical mistake
-fails the case meant for it with its own hint, and a banned call is reported by name.
+"""Chapter 3's exercises: each typical mistake fails the case meant for it with its own hint, and a
+banned call is reported by name. What every exercise must satisfy (the reference and the
+solution pass public and hidden cases, a stub is "not answered yet", every declared mistake
+names itself) is tested once, for all chapters, in test_exercises_conformance.py.
 
 The wrong solutions below are written as a student would write them; each test names the case
 it must fail and a fragment of the hint it must get.
 """
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,102 +17,13 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import course_attn
-from course_attn.grading import ExerciseFailed, check, get, run_exercise
+from course_attn.grading import get, run_exercise
 from course_attn.grading.exercise import hidden_cases, load_hidden
 
-SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
-KEYS = ["ch03.causal_mask", "ch03.padding_mask", "ch03.masked_attention", "ch03.document_mask",
-        "ch03.fp16_fill"]
-WITHOUT_HIDDEN_CASES = {"ch03.fp16_fill"}  # fixed predictions: nothing to draw
-load_hidden(SOLUTIONS)
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+from check_support import assert_banned, assert_fails, results  # noqa: E402
 
-
-# --- helpers (the same in test_checks_ch02.py and test_checks_ch03.py) ---------------------------
-
-def results(key, fn, cases=None, watch=True):
-    return {r.name: r for r in run_exercise(get(key), fn, cases, watch_banned=watch).results}
-
-
-def mistake_hint(key, fragment):
-    """The hint of ``key``'s typical mistake whose hint contains ``fragment``."""
-    hints = [m.hint for m in get(key).mistakes if fragment in m.hint]
-    assert hints, f"{key}: no typical mistake whose hint contains {fragment!r}"
-    return hints[0]
-
-
-def assert_fails(key, fn, case, hint=None, message=None):
-    """``fn`` fails ``case``; with the hint of the typical mistake ``hint`` names (a fragment of
-    it), or a hint containing ``hint`` when no mistake has it; ``message`` in the message."""
-    found = results(key, fn)
-    assert case in found, f"no case named {case!r}; cases: {sorted(found)}"
-    result = found[case]
-    assert not result.passed, f"{key}: {case!r} should fail"
-    if hint is not None:
-        mistakes = [m.hint for m in get(key).mistakes if hint in m.hint]
-        expected = mistakes[0] if mistakes else None
-        assert (result.hint == expected) if expected else (hint in result.hint), \
-            f"{key}, {case!r}: hint {result.hint!r}, wanted the one about {hint!r} " \
-            f"(message: {result.message!r})"
-    if message is not None:
-        assert message in result.message, result.message
-
-
-def assert_banned(key, fn, name):
-    """A call of ``name`` is reported by the judgement, and check() raises naming it."""
-    judgement = run_exercise(get(key), fn)
-    assert any(name in hit for hit in judgement.banned), judgement.banned
-    assert not judgement.passed and name in judgement.reason()
-    with pytest.raises(ExerciseFailed, match="does not allow"):
-        check(key, fn)
-
-
-def assert_mistakes_name_themselves(key, hidden=True):
-    """Every typical mistake fails a public case with its own hint (and a hidden case too); where
-    another mistake's hint shows instead, the two give the very same answer on that case."""
-    exercise = get(key)
-    by_hint = {m.hint: m for m in exercise.mistakes}
-    cases = {c.name: c for c in exercise.public_cases()}
-    for mistake in exercise.mistakes:
-        failed = [r for r in run_exercise(exercise, mistake.fn, watch_banned=False).results
-                  if not r.passed]
-        assert any(r.hint == mistake.hint for r in failed), \
-            f"{key}: no public case names {mistake.hint!r}"
-        for r in failed:
-            if r.hint != mistake.hint and r.hint in by_hint:
-                case = cases[r.name]
-                exercise.compare(mistake.fn(*case.args, **dict(case.kwargs)),
-                                 by_hint[r.hint].fn(*case.args, **dict(case.kwargs)), None)
-        caught = (not run_exercise(exercise, mistake.fn, hidden_cases(key, seed),
-                                   watch_banned=False).passed for seed in range(10))
-        assert not hidden or any(caught), f"{key}: no hidden case catches {mistake.hint!r}"
-
-
-def not_implemented(*args, **kwargs):
-    raise NotImplementedError()
-
-
-@pytest.mark.parametrize("key", KEYS)
-def test_the_reference_passes_public_and_hidden_cases(key):
-    exercise = get(key)
-    assert run_exercise(exercise, exercise.reference, watch_banned=False).passed
-    for seed in range(10):
-        cases = hidden_cases(key, seed)
-        assert bool(cases) != (key in WITHOUT_HIDDEN_CASES), key
-        if cases:
-            judgement = run_exercise(exercise, exercise.reference, cases, watch_banned=False)
-            assert judgement.passed, [(r.name, r.message) for r in judgement.results]
-
-
-@pytest.mark.parametrize("key", KEYS)
-def test_every_typical_mistake_names_itself(key):
-    assert_mistakes_name_themselves(key, hidden=key not in WITHOUT_HIDDEN_CASES)
-
-
-@pytest.mark.parametrize("key", KEYS)
-def test_an_unanswered_exercise_is_not_answered_yet(key, capsys):
-    assert run_exercise(get(key), not_implemented).not_implemented
-    check(key, not_implemented)  # does not raise
-    assert "not answered yet" in capsys.readouterr().out
+load_hidden(Path(__file__).resolve().parents[1] / "solutions")
 
 
 # --- solutions as in solutions/03_masking.ipynb ---------------------------------------------------

@@ -7,9 +7,13 @@ For each exercise ``chNN.name``:
   every public case and the hidden cases drawn with several seeds, without a banned call;
 - a stub that raises NotImplementedError, and the exercise notebook's own stub, fail every case
   and read "not answered yet";
+- the package's reference passes every public case and the hidden cases of several seeds;
+- ``check()`` prints "not answered yet" for a stub, and does not raise;
 - every typical mistake it declares fails at least one public case, and is named there by its
-  own hint (not by another mistake's);
-- a function of inputs has hidden cases, which change with the seed.
+  own hint; where another mistake's hint shows instead, the two give the same answer on that
+  case; and a hidden case catches it too;
+- a function of inputs has hidden cases, which change with the seed; a function without
+  inputs (a prediction) has none.
 
 For each chapter: the solution notebook grades each registered exercise once, its grade cells'
 points are the ones its headings announce, and they add up to the total its introduction states.
@@ -22,16 +26,16 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_attn.grading import all_exercises, run_exercise
+from course_attn.grading import all_exercises, check, run_exercise
 from course_attn.grading.canonical import load_canonical, solution_chapters
 from course_attn.grading.exercise import hidden_cases, load_hidden
 from course_attn.grading.generate import grade_id, is_grade_cell, is_solution_cell, \
     nbgrader_metadata
-from course_attn.grading.judge import NOT_IMPLEMENTED
+from course_attn.grading.judge import NOT_IMPLEMENTED, same_answer
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS, EXERCISES = ROOT / "solutions", ROOT / "exercises"
-HIDDEN_SEEDS = range(5)
+HIDDEN_SEEDS = range(10)
 
 EXERCISES_BY_KEY = all_exercises()
 KEYS = sorted(EXERCISES_BY_KEY)
@@ -100,12 +104,30 @@ def test_the_solution_passes_the_hidden_cases_of_several_seeds(key):
         assert judgement.passed, (seed, summary(judgement), judgement.banned)
 
 
+def as_answer(exercise, fn):
+    """What a student would hand in, given a function that computes it."""
+    return fn() if exercise.kind == "value" else fn
+
+
 def takes_inputs(key: str) -> bool:
     """A function of inputs, which a table of the public answers could fake (not a prediction
     or a value, which has one answer)."""
     exercise = EXERCISES_BY_KEY[key]
     return exercise.kind == "function" and any(
         case.args or case.kwargs for case in exercise.public_cases())
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_the_reference_passes_public_and_hidden_cases(key):
+    exercise = EXERCISES_BY_KEY[key]
+    reference = as_answer(exercise, exercise.reference)
+    assert run_exercise(exercise, reference, watch_banned=False).passed
+    for seed in HIDDEN_SEEDS:
+        cases = hidden_cases(key, seed)
+        assert bool(cases) == takes_inputs(key), (key, seed)
+        if cases:
+            judgement = run_exercise(exercise, reference, cases, watch_banned=False)
+            assert judgement.passed, (seed, summary(judgement))
 
 
 @pytest.mark.parametrize("key", [k for k in KEYS if takes_inputs(k)])
@@ -128,6 +150,12 @@ def test_a_stub_fails_every_case_as_not_answered(key):
             assert {r.message for r in judgement.results} == {NOT_IMPLEMENTED}
 
 
+@pytest.mark.parametrize("key", [k for k in KEYS if EXERCISES_BY_KEY[k].kind == "function"])
+def test_check_says_not_answered_yet_for_a_stub_and_does_not_raise(key, capsys):
+    check(key, stub)
+    assert "not answered yet" in capsys.readouterr().out
+
+
 MISTAKES = [(key, number) for key in KEYS
             for number in range(len(EXERCISES_BY_KEY[key].mistakes))]
 
@@ -136,7 +164,7 @@ MISTAKES = [(key, number) for key in KEYS
 def test_a_typical_mistake_fails_a_public_case_with_its_own_hint(key, number):
     exercise = EXERCISES_BY_KEY[key]
     mistake = exercise.mistakes[number]
-    answer = mistake.fn() if exercise.kind == "value" else mistake.fn
+    answer = as_answer(exercise, mistake.fn)
     judgement = run_exercise(exercise, answer, watch_banned=False)
     failed = [r for r in judgement.results if not r.passed]
     assert failed, f"no public case of {key} catches the mistake {mistake.hint!r}"
@@ -144,6 +172,18 @@ def test_a_typical_mistake_fails_a_public_case_with_its_own_hint(key, number):
     assert mistake.hint in hints.values(), (
         f"{key}: the mistake {mistake.hint!r} fails {sorted(hints)} but is never named by its "
         f"own hint; the cases name it {set(hints.values())}")
+    others = {m.hint: m for m in exercise.mistakes}
+    cases = {c.name: c for c in exercise.public_cases()}
+    for name, hint in hints.items():
+        if hint != mistake.hint and hint in others:  # the other mistake's answer must be ours
+            case = cases[name]
+            assert same_answer(exercise, mistake.fn(*case.args, **dict(case.kwargs)),
+                               others[hint].fn(*case.args, **dict(case.kwargs))), \
+                f"{key}, {name!r}: named {hint!r}, whose answer differs from {mistake.hint!r}"
+    if takes_inputs(key):
+        assert any(not run_exercise(exercise, answer, hidden_cases(key, seed),
+                                    watch_banned=False).passed for seed in HIDDEN_SEEDS), \
+            f"{key}: no hidden case catches {mistake.hint!r}"
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
