@@ -4,6 +4,8 @@ from .attention import attention_weights, repeat_kv, scaled_dot_product_attentio
 from .backends import BACKENDS, get_backend, register
 from .device import available_devices, default_device, seed_everything
 from .multihead import MultiHeadAttention
+from .norm import RMSNorm, rms_norm
+from .rope import RotaryEmbedding, apply_rotary_emb
 from .masks import (
     attention_mask, causal_mask, combine_masks, padding_mask, sliding_window_mask, to_additive,
 )
@@ -11,8 +13,9 @@ from .masks import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "BACKENDS", "MultiHeadAttention", "attention_mask", "attention_weights", "available_devices", "causal_mask",
-    "combine_masks", "default_device", "get_backend", "padding_mask", "register", "repeat_kv",
+    "BACKENDS", "MultiHeadAttention", "RMSNorm", "RotaryEmbedding", "apply_rotary_emb",
+    "attention_mask", "attention_weights", "available_devices", "causal_mask", "combine_masks",
+    "default_device", "get_backend", "padding_mask", "register", "repeat_kv", "rms_norm",
     "scaled_dot_product_attention", "seed_everything", "sliding_window_mask", "softmax",
     "to_additive",
 ]

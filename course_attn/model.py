@@ -1,11 +1,14 @@
 """A tiny GPT built from the package's attention, and ``generate`` to sample from it.
 
-    idx (B, T) -> token embedding + position embedding          (B, T, C)
+    idx (B, T) -> token embedding (+ learned position embedding)   (B, T, C)
                -> n_layers × [x += attn(norm(x)); x += mlp(norm(x))]   (pre-norm blocks)
                -> final norm -> LM head                         (B, T, V) logits
 
 ``mlp=False`` leaves only attention in the blocks ("attention-only" transformers, the setting in
-which induction heads were first described).
+which induction heads were first described). ``position="rope"`` drops the learned position
+embedding and rotates q and k in every attention layer instead; ``qk_norm`` and ``window`` are
+passed to every ``MultiHeadAttention``, so later chapters train the same model with one switch
+changed.
 """
 
 from dataclasses import dataclass
@@ -14,14 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .multihead import MultiHeadAttention, split_heads
+from .multihead import MultiHeadAttention
 
 __all__ = ["GPT", "GPTConfig", "generate", "queries_keys_values"]
 
 
 @dataclass
 class GPTConfig:
-    """Sizes of a ``GPT``. V = vocab_size, T ≤ seq_len, C = d_model, H = n_heads."""
+    """Sizes and options of a ``GPT``. V = vocab_size, T ≤ seq_len, C = d_model, H = n_heads.
+
+    ``position``: "learned" (an embedding per position, GPT-2) or "rope" (rotary, in every
+    attention layer; then T may exceed seq_len, the length RoPE's cos/sin are cached for).
+    ``qk_norm``, ``qk_norm_order``, ``window``, ``rope_base``, ``dropout`` (on the attention
+    weights): as ``MultiHeadAttention``'s options of the same names.
+    """
 
     vocab_size: int
     seq_len: int
@@ -33,6 +42,20 @@ class GPTConfig:
     n_kv_heads: int | None = None
     mlp_ratio: int = 4
     bias: bool = False
+    position: str = "learned"
+    rope_base: float = 10000.0
+    qk_norm: bool = False
+    qk_norm_order: str = "before_rope"
+    window: int | None = None
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if self.position not in ("learned", "rope"):
+            raise ValueError(f"position must be 'learned' or 'rope', got {self.position!r}")
+        for name in ("vocab_size", "seq_len", "n_layers", "mlp_ratio"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
 
 
 class MLP(nn.Module):
@@ -53,18 +76,24 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.d_model)
-        self.attn = MultiHeadAttention(config.d_model, config.n_heads,
-                                       n_kv_heads=config.n_kv_heads, bias=config.bias,
-                                       backend=config.backend)
+        self.attn = MultiHeadAttention(
+            config.d_model, config.n_heads, n_kv_heads=config.n_kv_heads, bias=config.bias,
+            backend=config.backend, rope=config.position == "rope", rope_base=config.rope_base,
+            max_seq_len=config.seq_len, qk_norm=config.qk_norm,
+            qk_norm_order=config.qk_norm_order, window=config.window, dropout=config.dropout)
         if config.mlp:
             self.mlp_norm = nn.LayerNorm(config.d_model)
             self.mlp = MLP(config.d_model, config.mlp_ratio * config.d_model, bias=config.bias)
         else:
             self.mlp = None
 
-    def forward(self, x: Tensor, *, return_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-        """x: (B, T, C) -> (x: (B, T, C), attention weights (B, H, T, T) or None)."""
-        attended = self.attn(self.attn_norm(x), is_causal=True, return_weights=return_weights)
+    def forward(self, x: Tensor, *, positions: Tensor | None = None,
+                return_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        """x: (B, T, C) -> (x: (B, T, C), attention weights (B, H, T, T) or None).
+
+        ``positions`` (T,): where the tokens sit, for RoPE."""
+        attended = self.attn(self.attn_norm(x), is_causal=True, positions=positions,
+                             return_weights=return_weights)
         attended, weights = attended if return_weights else (attended, None)
         x = x + attended
         if self.mlp is not None:
@@ -79,7 +108,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
-        self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
+        self.position_embedding = (nn.Embedding(config.seq_len, config.d_model)
+                                   if config.position == "learned" else None)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.final_norm = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -102,13 +132,16 @@ class GPT(nn.Module):
                              + (f"shape {tuple(idx.shape)} dtype {idx.dtype}"
                                 if isinstance(idx, Tensor) else type(idx).__name__))
         t = idx.shape[1]
-        if not 1 <= t <= self.config.seq_len:
-            raise ValueError(f"sequence length T={t} must be in [1, seq_len={self.config.seq_len}]")
+        if t < 1 or (self.position_embedding is not None and t > self.config.seq_len):
+            raise ValueError(f"sequence length T={t} must be in [1, seq_len={self.config.seq_len}] "
+                             "(learned positions stop at seq_len)")
         positions = torch.arange(t, device=idx.device)
-        x = self.token_embedding(idx) + self.position_embedding(positions)   # (B, T, C)
+        x = self.token_embedding(idx)                                        # (B, T, C)
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(positions)
         attention = []
         for block in self.blocks:
-            x, weights = block(x, return_weights=return_attention)
+            x, weights = block(x, positions=positions, return_weights=return_attention)
             attention.append(weights)
         logits = self.lm_head(self.final_norm(x))                            # (B, T, V)
         return (logits, attention) if return_attention else logits
@@ -118,7 +151,8 @@ class GPT(nn.Module):
 def queries_keys_values(model: GPT, idx: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
     """What every layer's attention computed on idx (B, T): per layer, ``(q, k, v)``.
 
-    q: (B, H, T, D), k and v: (B, Hkv, T, D), before the scores: layer l's scores are
+    q: (B, H, T, D), k and v: (B, Hkv, T, D), as the dot product sees them (after QK-norm and
+    RoPE where the model has them): layer l's scores are
     ``q @ k.transpose(-2, -1) / sqrt(D)`` (causal), and their softmax is the weights that
     ``model(idx, return_attention=True)`` returns. Read from a forward pass of the model itself
     (each attention layer's input is recorded, then projected), so they are the very vectors
@@ -132,13 +166,9 @@ def queries_keys_values(model: GPT, idx: Tensor) -> list[tuple[Tensor, Tensor, T
     finally:
         for hook in hooks:
             hook.remove()
-    result = []
-    for block, x in zip(model.blocks, inputs):                            # x: (B, T, C)
-        attn = block.attn
-        result.append((split_heads(attn.q_proj(x), attn.n_heads),
-                       split_heads(attn.k_proj(x), attn.n_kv_heads),
-                       split_heads(attn.v_proj(x), attn.n_kv_heads)))
-    return result
+    positions = torch.arange(idx.shape[1], device=idx.device)
+    return [block.attn.project(x, positions=positions)                    # x: (B, T, C)
+            for block, x in zip(model.blocks, inputs)]
 
 
 @torch.no_grad()

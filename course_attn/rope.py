@@ -1,0 +1,104 @@
+"""Rotary position embedding (RoPE): encode a token's position m by rotating its q and k.
+
+The D channels of a head form D/2 pairs; pair i is rotated by the angle m·θᵢ, with
+
+    θᵢ = base^(-2i/D),   i = 0 .. D/2 - 1                 (fast pairs first, slow pairs last)
+
+    [x₁']   [cos mθᵢ  -sin mθᵢ] [x₁]
+    [x₂'] = [sin mθᵢ   cos mθᵢ] [x₂]         (a rotation by +mθᵢ, as RoFormer and Llama)
+
+Because a rotation by mθ followed by the dot product with a key rotated by nθ only sees the
+difference, q_m · k_n depends on positions through m - n alone.
+
+Which channels form a pair is a convention: ``interleaved=False`` pairs channel i with i + D/2
+(GPT-NeoX, Llama in Hugging Face), ``interleaved=True`` pairs 2i with 2i + 1 (RoFormer, Meta's
+Llama, written with complex numbers). Both are the same rotation up to a fixed permutation of D.
+"""
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["RotaryEmbedding", "apply_rotary_emb", "rope_frequencies"]
+
+
+def _check_head_dim(head_dim) -> None:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"RoPE rotates pairs of channels: head_dim must be an even int >= 2, "
+                         f"got {head_dim!r}")
+
+
+def rope_frequencies(head_dim: int, base: float = 10000.0, *, device=None) -> Tensor:
+    """θᵢ = base^(-2i/D) for i = 0 .. D/2 - 1: shape (D/2,), float32, from 1 down to ~1/base."""
+    _check_head_dim(head_dim)
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
+        raise ValueError(f"base must be a number > 1, got {base!r}")
+    i = torch.arange(head_dim // 2, dtype=torch.float64, device=device)
+    return (float(base) ** (-2.0 * i / head_dim)).float()
+
+
+class RotaryEmbedding(nn.Module):
+    """The cos and sin of every angle m·θᵢ, cached for positions m < ``max_seq_len``.
+
+    ``cos, sin = rope(positions)``: positions (T,) long -> cos, sin of shape (T, D/2), float32.
+    Positions past the cache are computed on the fly (the cache only saves time), so a model may
+    be run past the length it was trained on. A KV cache passes its offsets,
+    ``torch.arange(start, start + T)``.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int = 4096, base: float = 10000.0):
+        super().__init__()
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        self.head_dim, self.max_seq_len, self.base = head_dim, max_seq_len, float(base)
+        self.register_buffer("inv_freq", rope_frequencies(head_dim, base), persistent=False)
+        cos, sin = self._angles(torch.arange(max_seq_len))
+        self.register_buffer("cos_cached", cos, persistent=False)
+        self.register_buffer("sin_cached", sin, persistent=False)
+
+    def _angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        # float64 angles: m·θ for m in the thousands loses digits in float32.
+        angles = positions.to(torch.float64)[:, None] * self.inv_freq.to(torch.float64)[None, :]
+        return angles.cos().float(), angles.sin().float()
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions (T,) integer -> (cos, sin), each (T, D/2) on the module's device."""
+        if (not isinstance(positions, Tensor) or positions.dim() != 1
+                or positions.dtype.is_floating_point or positions.dtype == torch.bool):
+            raise ValueError("positions must be a (T,) integer tensor, got "
+                             + (f"{positions.dtype} of shape {tuple(positions.shape)}"
+                                if isinstance(positions, Tensor) else type(positions).__name__))
+        positions = positions.to(self.cos_cached.device)
+        if positions.numel() and int(positions.min()) < 0:
+            raise ValueError(f"positions must be >= 0, got min {int(positions.min())}")
+        if positions.numel() == 0 or int(positions.max()) < self.max_seq_len:
+            return self.cos_cached[positions], self.sin_cached[positions]
+        return self._angles(positions)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, base={self.base:g}"
+
+
+def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    """Rotate each channel pair of x by its angle: x (B, H, T, D) -> (B, H, T, D).
+
+    ``cos``, ``sin``: (T, D/2) from ``RotaryEmbedding`` (anything that broadcasts to
+    (B, H, T, D/2) works). ``interleaved=False`` pairs channel i with i + D/2;
+    ``interleaved=True`` pairs 2i with 2i + 1. Computed in float32, returned in x's dtype.
+    """
+    if not isinstance(x, Tensor) or x.dim() < 2:
+        raise ValueError(f"x must be a tensor (..., T, D), got "
+                         f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+    d = x.shape[-1]
+    _check_head_dim(d)
+    if cos.shape != sin.shape or cos.shape[-1] != d // 2:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must both end in "
+                         f"D/2 = {d // 2} for x of shape {tuple(x.shape)}")
+    acc = torch.promote_types(x.dtype, torch.float32)
+    cos, sin = cos.to(acc), sin.to(acc)
+    if interleaved:
+        x1, x2 = x[..., 0::2].to(acc), x[..., 1::2].to(acc)
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x[..., : d // 2].to(acc), x[..., d // 2:].to(acc)
+        out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.to(x.dtype)
