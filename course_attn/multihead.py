@@ -94,7 +94,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"qk_norm_order must be 'before_rope' or 'after_rope', "
                              f"got {qk_norm_order!r}")
         check_window(window)
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        if (isinstance(dropout, bool) or not isinstance(dropout, (int, float))
+                or not 0 <= dropout < 1):
             raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
             raise ValueError(f"scale must be a number or None, got {scale!r}")
@@ -127,9 +128,10 @@ class MultiHeadAttention(nn.Module):
         if context is not None:
             if (not isinstance(context, Tensor) or context.dim() != 3
                     or context.shape[0] != x.shape[0] or context.shape[-1] != self.context_dim):
-                raise ValueError(
-                    f"context must be (B={x.shape[0]}, S, context_dim={self.context_dim}), got "
-                    f"{tuple(context.shape) if isinstance(context, Tensor) else type(context).__name__}")
+                got = (tuple(context.shape) if isinstance(context, Tensor)
+                       else type(context).__name__)
+                raise ValueError(f"context must be (B={x.shape[0]}, S, "
+                                 f"context_dim={self.context_dim}), got {got}")
             if self.rotary is not None:
                 raise ValueError("rope rotates queries and keys by positions in one sequence; "
                                  "it is not defined for cross-attention (context=...)")
@@ -143,9 +145,9 @@ class MultiHeadAttention(nn.Module):
             if positions is None:
                 positions = torch.arange(t, device=x.device)
             elif not isinstance(positions, Tensor) or positions.shape != (t,):
+                got = tuple(positions.shape) if isinstance(positions, Tensor) else positions
                 raise ValueError(f"positions must be a ({t},) tensor for x of shape "
-                                 f"{tuple(x.shape)}, got "
-                                 f"{tuple(positions.shape) if isinstance(positions, Tensor) else positions!r}")
+                                 f"{tuple(x.shape)}, got {got!r}")
             cos, sin = self.rotary(positions)                    # (T, D/2)
             q = apply_rotary_emb(q, cos, sin, self.rope_interleaved)
             k = apply_rotary_emb(k, cos, sin, self.rope_interleaved)

@@ -1,6 +1,6 @@
 """RMS normalisation: divide a vector by its root-mean-square, then scale each channel.
 
-    rms_norm(x) = x / sqrt(mean(x², over the last axis) + eps) · weight      any (..., D) -> (..., D)
+    rms_norm(x) = x / sqrt(mean(x², over the last axis) + eps) · weight     (..., D) -> (..., D)
 
 Unlike LayerNorm it neither subtracts the mean nor adds a bias. QK-norm (chapter 6) is
 ``RMSNorm(head_dim)`` applied to every head of q and of k before their dot product.
@@ -36,12 +36,16 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
 
 
 class RMSNorm(nn.Module):
-    """``rms_norm`` with a learned gain per channel, initialised to ones: (..., dim) -> (..., dim)."""
+    """``rms_norm`` with a learned gain per channel, initialised to ones.
+
+    (..., dim) -> (..., dim)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+            raise ValueError(f"eps must be a number >= 0, got {eps!r}")
         self.dim, self.eps = dim, eps
         self.weight = nn.Parameter(torch.ones(dim))
 

@@ -55,10 +55,25 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cached", cos, persistent=False)
         self.register_buffer("sin_cached", sin, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # ``.half()`` / ``.to(dtype)`` cast floating buffers too; θ in bfloat16 is off by 1 part
+        # in 256, so m·θ by whole radians at m in the thousands. Move the table, never cast it.
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            device = self.inv_freq.device          # recomputed on the CPU (MPS has no float64)
+            self.inv_freq = rope_frequencies(self.head_dim, self.base)
+            cos, sin = self._angles(torch.arange(self.max_seq_len))
+            self.inv_freq, self.cos_cached, self.sin_cached = (
+                t.to(device) for t in (self.inv_freq, cos, sin))
+        return self
+
     def _angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        # float64 angles: m·θ for m in the thousands loses digits in float32.
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq.to(torch.float64)[None, :]
-        return angles.cos().float(), angles.sin().float()
+        # float64 angles, on the CPU (MPS has no float64): m·θ for m in the thousands loses
+        # digits in float32. Returned on the positions' device.
+        angles = (positions.cpu().to(torch.float64)[:, None]
+                  * self.inv_freq.cpu().to(torch.float64)[None, :])
+        return (angles.cos().float().to(positions.device),
+                angles.sin().float().to(positions.device))
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions (T,) integer -> (cos, sin), each (T, D/2) on the module's device."""
@@ -90,9 +105,17 @@ def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fa
                          f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
     d = x.shape[-1]
     _check_head_dim(d)
-    if cos.shape != sin.shape or cos.shape[-1] != d // 2:
+    if not isinstance(cos, Tensor) or not isinstance(sin, Tensor):
+        raise ValueError(f"cos and sin must be tensors, got {type(cos).__name__} and "
+                         f"{type(sin).__name__}")
+    target = (*x.shape[:-1], d // 2)
+    try:
+        fits = cos.dim() >= 1 and torch.broadcast_shapes(cos.shape, target) == target
+    except RuntimeError:
+        fits = False
+    if cos.shape != sin.shape or not fits or cos.shape[-1] != d // 2:
         raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must both end in "
-                         f"D/2 = {d // 2} for x of shape {tuple(x.shape)}")
+                         f"D/2 = {d // 2} and broadcast to x of shape {tuple(x.shape)}")
     acc = torch.promote_types(x.dtype, torch.float32)
     cos, sin = cos.to(acc), sin.to(acc)
     if interleaved:

@@ -1,4 +1,6 @@
-"""Multi-head attention, the tiny GPT, its synthetic task and its training."""
+"""The tiny GPT and its options, its synthetic task and its training.
+
+MultiHeadAttention itself is tested in test_multihead.py."""
 
 import copy
 import math
@@ -8,130 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_attn import attention
 from course_attn.data import IGNORE_INDEX, InductionTask, induction_targets, token_labels
-from course_attn.device import available_devices
 from course_attn.model import GPT, GPTConfig, generate, queries_keys_values
-from course_attn.multihead import MultiHeadAttention, merge_heads, repeat_kv, split_heads
+from course_attn.multihead import repeat_kv
 from course_attn.train import (accuracy, induction_head_scores, ov_circuit, previous_token_scores,
                                train, train_induction_model)
-
-DEVICES = available_devices()
-
-
-def explicit_attention(mha: MultiHeadAttention, x, *, mask=None):
-    """MultiHeadAttention written out with plain tensor ops, one head at a time."""
-    b, t, _ = x.shape
-    d = mha.head_dim
-    q, k, v = mha.q_proj(x), mha.k_proj(x), mha.v_proj(x)
-    group = mha.n_heads // mha.n_kv_heads
-    outputs, all_weights = [], []
-    for h in range(mha.n_heads):
-        kv = h // group
-        qh = q[..., h * d:(h + 1) * d]                          # (B, T, D)
-        kh, vh = k[..., kv * d:(kv + 1) * d], v[..., kv * d:(kv + 1) * d]
-        scores = qh @ kh.transpose(1, 2) / math.sqrt(d)         # (B, T, T)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        weights = torch.softmax(scores, dim=-1)
-        all_weights.append(weights)
-        outputs.append(weights @ vh)
-    return mha.out_proj(torch.cat(outputs, dim=-1)), torch.stack(all_weights, dim=1)
-
-
-# ---------------------------------------------------------------- heads
-
-def test_split_and_merge_heads_are_inverse():
-    x = torch.randn(2, 5, 12)
-    heads = split_heads(x, 3)
-    assert heads.shape == (2, 3, 5, 4)
-    assert torch.equal(heads[:, 1], x[..., 4:8])                # head 1 owns channels 4..7
-    assert torch.equal(merge_heads(heads), x)
-
-
-def test_split_merge_heads_reject_bad_shapes():
-    with pytest.raises(ValueError, match="into 5 heads"):
-        split_heads(torch.randn(2, 5, 12), 5)
-    with pytest.raises(ValueError, match=r"\(B, T, H·D\)"):
-        split_heads(torch.randn(5, 12), 3)
-    with pytest.raises(ValueError, match=r"\(B, H, T, D\)"):
-        merge_heads(torch.randn(2, 5, 12))
-
-
-def test_repeat_kv_is_re_exported_not_copied():
-    assert repeat_kv is attention.repeat_kv
-
-
-# ---------------------------------------------------------------- MultiHeadAttention
-
-@pytest.mark.parametrize("device", DEVICES, ids=str)
-@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
-def test_mha_equals_explicit_computation(device, n_kv_heads):
-    torch.manual_seed(0)
-    mha = MultiHeadAttention(32, 4, n_kv_heads=n_kv_heads).to(device)
-    x = torch.randn(2, 7, 32, device=device)
-    out, weights = mha(x, return_weights=True)
-    causal = torch.ones(7, 7, dtype=torch.bool, device=device).tril()
-    expected_out, expected_weights = explicit_attention(mha, x, mask=causal)
-    torch.testing.assert_close(out, expected_out)
-    torch.testing.assert_close(weights, expected_weights)
-    assert weights.shape == (2, 4, 7, 7)
-
-
-def test_mha_bidirectional_and_with_a_mask():
-    torch.manual_seed(0)
-    mha = MultiHeadAttention(16, 2)
-    x = torch.randn(3, 6, 16)
-    torch.testing.assert_close(mha(x, is_causal=False), explicit_attention(mha, x)[0])
-    keep = torch.rand(3, 1, 6, 6) > 0.3
-    keep[..., 0] = True                                          # no query row left empty
-    torch.testing.assert_close(mha(x, attn_mask=keep, is_causal=False),
-                               explicit_attention(mha, x, mask=keep[:, 0])[0])
-
-
-@pytest.mark.parametrize("device", DEVICES, ids=str)
-@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
-def test_mha_sdpa_and_math_backends_agree(device, n_kv_heads):
-    torch.manual_seed(0)
-    math_mha = MultiHeadAttention(32, 4, n_kv_heads=n_kv_heads, backend="math").to(device)
-    sdpa_mha = MultiHeadAttention(32, 4, n_kv_heads=n_kv_heads, backend="sdpa").to(device)
-    sdpa_mha.load_state_dict(math_mha.state_dict())
-    x = torch.randn(2, 9, 32, device=device, requires_grad=True)
-    for causal in (True, False):
-        torch.testing.assert_close(sdpa_mha(x, is_causal=causal), math_mha(x, is_causal=causal))
-    grad_math, = torch.autograd.grad(math_mha(x).square().sum(), x)
-    grad_sdpa, = torch.autograd.grad(sdpa_mha(x).square().sum(), x)
-    torch.testing.assert_close(grad_sdpa, grad_math)
-
-
-def test_mha_gqa_shapes():
-    mha = MultiHeadAttention(64, 8, n_kv_heads=2, bias=True)
-    assert mha.head_dim == 8
-    assert mha.q_proj.weight.shape == (64, 64)
-    assert mha.k_proj.weight.shape == mha.v_proj.weight.shape == (16, 64)   # 2 heads × 8
-    out, weights = mha(torch.randn(3, 5, 64), return_weights=True)
-    assert out.shape == (3, 5, 64) and weights.shape == (3, 8, 5, 5)
-    torch.testing.assert_close(weights.sum(-1), torch.ones(3, 8, 5))
-    assert (weights.triu(1) == 0).all()                          # causal: no future key
-
-
-def test_mha_dtype_flows_through():
-    mha = MultiHeadAttention(16, 2).to(torch.float64)
-    out, weights = mha(torch.randn(1, 4, 16, dtype=torch.float64), return_weights=True)
-    assert out.dtype == weights.dtype == torch.float64
-
-
-def test_mha_errors():
-    with pytest.raises(ValueError, match="not divisible"):
-        MultiHeadAttention(30, 4)
-    with pytest.raises(ValueError, match="not a multiple"):
-        MultiHeadAttention(32, 4, n_kv_heads=3)
-    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
-        MultiHeadAttention(32, 4, backend="nope")
-    with pytest.raises(ValueError, match="n_heads must be a positive int"):
-        MultiHeadAttention(32, 0)
-    with pytest.raises(ValueError, match=r"\(B, T, C=32\)"):
-        MultiHeadAttention(32, 4)(torch.randn(2, 5, 16))
 
 
 # ---------------------------------------------------------------- GPT
@@ -180,6 +63,133 @@ def test_gpt_input_errors():
         model(torch.zeros(1, 5))
     with pytest.raises(ValueError, match="torch.int32"):
         model(torch.zeros(1, 5, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------- GPT options (chapters 5, 6, 11)
+
+def modern_gpt(seed=0, **options):
+    torch.manual_seed(seed)
+    config = dict(vocab_size=11, seq_len=8, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
+                  position="rope", qk_norm=True)
+    config.update(options)
+    return GPT(GPTConfig(**config)).eval()
+
+
+def test_gpt_config_options_reach_every_attention_layer():
+    model = modern_gpt(rope_base=500.0, qk_norm_order="after_rope", window=3, dropout=0.25)
+    assert model.position_embedding is None
+    for block in model.blocks:
+        attn = block.attn
+        assert attn.rotary.base == 500.0 and attn.rotary.max_seq_len == 8
+        assert attn.q_norm is not None and attn.qk_norm_order == "after_rope"
+        assert attn.window == 3 and attn.dropout == 0.25 and attn.n_kv_heads == 2
+    learned = small_gpt()
+    assert learned.position_embedding.weight.shape == (12, 32)
+    assert all(b.attn.rotary is None and b.attn.q_norm is None for b in learned.blocks)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(position="absolute"), "position must be 'learned' or 'rope', got 'absolute'"),
+    (dict(position=None), "position must be 'learned' or 'rope', got None"),
+    (dict(seq_len=0), "seq_len must be a positive int, got 0"),
+    (dict(n_layers=2.0), "n_layers must be a positive int, got 2.0"),
+])
+def test_gpt_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**{**dict(vocab_size=11, seq_len=8), **kwargs})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(d_model=30, n_heads=4), "d_model=30 is not divisible by n_heads=4"),
+    (dict(n_kv_heads=3), "n_heads=4 is not a multiple of n_kv_heads=3"),
+    (dict(d_model=12, n_heads=4, position="rope"), "12 / 4 = 3 is odd"),
+    (dict(qk_norm_order="sideways"), "qk_norm_order must be"),
+    (dict(window=0), "window must be None or an int >= 1, got 0"),
+    (dict(dropout=1.0), r"dropout must be a probability in \[0, 1\), got 1.0"),
+    (dict(position="rope", rope_base=0.5), "base must be a number > 1, got 0.5"),
+])
+def test_gpt_rejects_attention_options_it_cannot_build(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPT(GPTConfig(**{**dict(vocab_size=11, seq_len=8), **kwargs}))
+
+
+def test_a_rope_gpt_runs_past_seq_len_and_a_learned_one_refuses(device):
+    model = modern_gpt().to(device)
+    idx = torch.randint(11, (2, 20), generator=torch.Generator().manual_seed(0)).to(device)
+    logits = model(idx)                                          # seq_len = 8: RoPE has no end
+    assert logits.shape == (2, 20, 11) and torch.isfinite(logits).all()
+    torch.testing.assert_close(logits[:, :8], model(idx[:, :8]))  # causal: a prefix is a prefix
+    longer_cache = GPT(GPTConfig(**{**model.config.__dict__, "seq_len": 32})).to(device).eval()
+    longer_cache.load_state_dict(model.state_dict())
+    torch.testing.assert_close(logits, longer_cache(idx))       # the cache length changes nothing
+    learned = GPT(GPTConfig(vocab_size=11, seq_len=8, d_model=32, n_heads=4)).to(device)
+    with pytest.raises(ValueError, match=r"T=20 must be in \[1, seq_len=8\]"):
+        learned(idx)
+
+
+def test_a_rope_gpt_is_causal_and_blind_to_absolute_position():
+    model = modern_gpt(qk_norm=False, mlp=False, n_layers=1)
+    idx = torch.randint(11, (2, 8))
+    changed = idx.clone()
+    changed[:, 5] = (changed[:, 5] + 1) % 11
+    torch.testing.assert_close(model(idx)[:, :5], model(changed)[:, :5], rtol=0, atol=0)
+    # No position embedding: a run of one token gives the same logits at every position, as
+    # every query sees keys and values that are all alike (RoPE moves scores, not values).
+    same = torch.full((1, 6), 3)
+    logits = model(same)
+    torch.testing.assert_close(logits, logits[:, :1].expand_as(logits), rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_dropout_only_in_training(device):
+    model = modern_gpt(dropout=0.3).to(device)
+    plain = modern_gpt(dropout=0.0).to(device)
+    idx = torch.randint(11, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    torch.testing.assert_close(model.eval()(idx), plain.eval()(idx))
+    model.train()
+    torch.manual_seed(1)
+    first = model(idx)
+    torch.manual_seed(1)
+    assert torch.equal(model(idx), first)
+    assert not torch.allclose(first, plain(idx))
+
+
+def test_generate_with_a_rope_gpt():
+    model = modern_gpt()
+    out = generate(model, torch.zeros(1, 3, dtype=torch.long), 12, temperature=0)
+    assert out.shape == (1, 15)
+
+
+@pytest.mark.parametrize("options", [
+    dict(position="rope"),
+    dict(position="rope", qk_norm=True, qk_norm_order="before_rope"),
+    dict(position="rope", qk_norm=True, qk_norm_order="after_rope", window=3),
+    dict(position="learned", qk_norm=True),
+], ids=["rope", "rope+qk_norm", "rope+qk_norm_after+window", "learned+qk_norm"])
+def test_queries_keys_values_of_a_modern_model_reproduce_its_attention(device, options):
+    model = modern_gpt(**{"qk_norm": False, **options}).to(device)
+    with torch.no_grad():                  # gains that are not all ones, so QK-norm shows
+        for block in model.blocks:
+            if block.attn.q_norm is not None:
+                block.attn.q_norm.weight.uniform_(0.5, 2.0)
+                block.attn.k_norm.weight.uniform_(0.5, 2.0)
+    idx = torch.randint(11, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        _, weights = model(idx, return_attention=True)
+        by_layer = queries_keys_values(model, idx)
+    window = options.get("window")
+    i = torch.arange(8, device=device)
+    allowed = (i[:, None] >= i[None, :])
+    if window is not None:
+        allowed &= i[:, None] - i[None, :] < window
+    for (q, k, v), w in zip(by_layer, weights):
+        assert q.shape == (2, 4, 8, 8) and k.shape == v.shape == (2, 2, 8, 8)
+        scores = q @ repeat_kv(k, 2).transpose(-2, -1) / math.sqrt(8)
+        expected = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        torch.testing.assert_close(expected, w)
+    if options.get("qk_norm_order") == "after_rope":          # the last step: q / gain has RMS 1
+        for block, (q, k, _) in zip(model.blocks, by_layer):
+            rms = (q / block.attn.q_norm.weight).square().mean(-1)
+            torch.testing.assert_close(rms, torch.ones_like(rms), rtol=1e-3, atol=1e-3)   # eps
 
 
 def test_generate_length_and_greedy_determinism():
