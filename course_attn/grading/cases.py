@@ -98,3 +98,49 @@ def expect_number(actual, expected: float, case=None, *, rtol: float = 1e-6,
         raise AssertionError(f"your answer should be a number, got {type(actual).__name__}")
     if not math.isclose(actual, expected, rel_tol=rtol, abs_tol=atol):
         raise AssertionError(f"your answer is {actual:.6g}, expected {expected:.6g}")
+
+
+def as_number(actual) -> float | None:
+    """``actual`` as a Python number (a one-element real tensor is read out); None if it is not
+    one (a bool is not a number here)."""
+    if isinstance(actual, torch.Tensor) and actual.numel() == 1 and not actual.is_complex():
+        actual = actual.item()
+    if isinstance(actual, bool) or not isinstance(actual, (int, float)):
+        return None
+    return actual
+
+
+class Questions:
+    """A predict or derive exercise: a zero-argument function answers several questions at once,
+    as a dict, and each question is one case, so each is graded and hinted on its own.
+
+    ``questions``: {key: (case name, hint)}, in the order they are asked.
+    ``same(key, actual, expected) -> bool``: whether an answer is right.
+    ``wrong(key, actual, expected) -> str``: what to tell a student whose answer is wrong; it
+    may say how far off the answer is, never what it is.
+    Use ``cases=questions.cases, compare=questions.compare`` in the ``Exercise``.
+    """
+
+    def __init__(self, questions: dict, *, same, wrong):
+        from .exercise import Case     # exercise.py imports nothing of this module's
+        self.questions, self.same, self.wrong = dict(questions), same, wrong
+        self._case = Case
+        self._key_of_case = {name: key for key, (name, _) in self.questions.items()}
+
+    def cases(self):
+        for name, hint in self.questions.values():
+            yield self._case(name, hint=hint)
+
+    def compare(self, actual, expected: dict, case=None) -> None:
+        """With a case, the one answer that case asks about must be right; without one (when
+        matching a typical mistake), every answer ``expected`` holds."""
+        if not isinstance(actual, dict):
+            raise AssertionError(f"your function should return a dict with the keys "
+                                 f"{list(self.questions)}, got {type(actual).__name__}")
+        name = getattr(case, "name", None)
+        keys = [self._key_of_case[name]] if name in self._key_of_case else list(expected)
+        for key in keys:
+            if key not in actual:
+                raise AssertionError(f"your dict has no key {key!r}")
+            if not self.same(key, actual[key], expected[key]):
+                raise AssertionError(self.wrong(key, actual[key], expected[key]))

@@ -22,7 +22,7 @@ import torch
 
 from ..attention import scaled_dot_product_attention
 from ..masks import causal_mask, padding_mask
-from .cases import expect_tensor, randn, random_mask
+from .cases import Questions, as_number, expect_tensor, randn, random_mask
 from .exercise import Case, Exercise, Mistake, register
 from .ch01 import NO_LIBRARY_ATTENTION
 
@@ -275,7 +275,6 @@ FP16_QUESTIONS = {
         "(e) a fully masked row in float32, fill -1e9",
         "near -1e9, float32 numbers are 64 apart: -1e9 + s rounds to the nearest one of them"),
 }
-_FP16_KEY_OF_CASE = {name: key for key, (name, _) in FP16_QUESTIONS.items()}
 NAN = float("nan")
 
 
@@ -303,9 +302,8 @@ def _same_prediction(actual, expected) -> bool:
     if isinstance(expected, str):
         return isinstance(actual, str) and expected in actual.strip().lower()
     if isinstance(expected, (int, float)):
-        if isinstance(actual, torch.Tensor) and actual.numel() == 1:
-            actual = actual.item()
-        if isinstance(actual, bool) or not isinstance(actual, (int, float)):
+        actual = as_number(actual)
+        if actual is None:
             return False
         if math.isnan(expected) or math.isnan(actual):
             return math.isnan(expected) and math.isnan(actual)
@@ -316,25 +314,10 @@ def _same_prediction(actual, expected) -> bool:
         all(_same_prediction(a, e) for a, e in zip(actual, expected))
 
 
-def expect_predictions(actual, expected, case=None):
-    """``actual`` is a dict of predictions; with a case, the one prediction that the case asks
-    about must equal the expected one; without (matching a typical mistake), every prediction
-    that ``expected`` holds. Says which prediction is wrong, never what is right."""
-    if not isinstance(actual, dict):
-        raise AssertionError(f"your function should return a dict with the keys "
-                             f"{list(FP16_QUESTIONS)}, got {type(actual).__name__}")
-    keys = [_FP16_KEY_OF_CASE[case.name]] if case is not None and \
-        case.name in _FP16_KEY_OF_CASE else list(expected)
-    for key in keys:
-        if key not in actual:
-            raise AssertionError(f"your dict has no key {key!r}")
-        if not _same_prediction(actual[key], expected[key]):
-            raise AssertionError(f"your prediction {key!r} is not what PyTorch gives")
-
-
-def _fp16_cases():
-    for key, (name, hint) in FP16_QUESTIONS.items():
-        yield Case(name, hint=hint)
+FP16 = Questions(FP16_QUESTIONS,
+                 same=lambda key, actual, expected: _same_prediction(actual, expected),
+                 wrong=lambda key, actual, expected: f"your prediction {key!r} is not what "
+                                                     "PyTorch gives")
 
 
 def _predicting(**wrong):
@@ -344,7 +327,7 @@ def _predicting(**wrong):
 
 register(Exercise(
     key="ch03.fp16_fill", function="fp16_fill", reference=fp16_fill_reference,
-    cases=_fp16_cases, compare=expect_predictions,
+    cases=FP16.cases, compare=FP16.compare,
     # A prediction, not a computation: no tensors inside the function.
     banned=("course_attn", "torch.tensor", "torch.as_tensor", "torch.full", "torch.Tensor.half",
             "torch.Tensor.to", "torch.Tensor.masked_fill", "torch.softmax",
