@@ -1,0 +1,322 @@
+"""Exercises of Chapter 4, multi-head attention.
+
+    ch04.split_heads           split_heads(x (B, T, C), n_heads) -> (B, H, T, D), D = C / H;
+                               head h gets channels h·D .. (h+1)·D - 1
+    ch04.merge_heads           merge_heads(x (B, H, T, D)) -> (B, T, H·D); undoes split_heads
+    ch04.multi_head_attention  multi_head_attention(x, w_q, w_k, w_v, w_o, n_heads, causal)
+                               -> (B, T, C): self-attention with H heads; every weight is
+                               (C, C) in nn.Linear's (out, in) convention, q = x @ w_q.T
+    ch04.mha_cost              mha_cost() -> dict: parameters, multiply-adds and score entries
+                               of an 8-head layer against one head of full width (derive)
+
+References: ``course_attn.split_heads`` and ``course_attn.merge_heads``; the multi-head
+forward from them and ``course_attn.scaled_dot_product_attention``; the costs counted by
+formulas checked in tests/test_checks_ch04.py against PyTorch's FlopCounterMode.
+"""
+
+import math
+
+import torch
+
+from ..attention import scaled_dot_product_attention
+from ..multihead import merge_heads, split_heads
+from .cases import Questions, as_number, expect_close_tensor, expect_tensor, randn
+from .ch01 import NO_LIBRARY_ATTENTION
+from .exercise import Case, Exercise, Mistake, register
+
+
+# --- ch04.split_heads --------------------------------------------------------------------------
+
+def _split_no_transpose(x, n_heads):
+    b, t, c = x.shape
+    return x.reshape(b, n_heads, t, c // n_heads)
+
+
+def _split_only_view(x, n_heads):
+    b, t, c = x.shape
+    return x.reshape(b, t, n_heads, c // n_heads)
+
+
+def _split_strided(x, n_heads):
+    b, t, c = x.shape
+    return x.reshape(b, t, c // n_heads, n_heads).permute(0, 3, 1, 2)
+
+
+def _split_cases():
+    yield Case("B=2, T=5, C=12, H=3", (randn(2, 5, 12, seed=400), 3),
+               hint="view the channels as (H, D): (B, T, H, D), then swap the T and H axes")
+    yield Case("B=1, T=4, C=8, H=2", (randn(1, 4, 8, seed=401), 2),
+               hint="head h gets the channels h·D .. (h+1)·D - 1 of every token")
+    yield Case("one head (H=1): (B, 1, T, C)", (randn(2, 3, 6, seed=402), 1),
+               hint="with one head the result is x with an axis of size 1 inserted at 1")
+    yield Case("heads of width 1 (H=C=4)", (randn(1, 3, 4, seed=403), 4),
+               hint="D = C / H = 1: head h gets channel h")
+    yield Case("T=1", (randn(3, 1, 6, seed=404), 2),
+               hint="one token: each head holds D of its channels")
+    yield Case("float64, B=2, T=7, C=16, H=4", (randn(2, 7, 16, seed=405, dtype=torch.float64), 4),
+               hint="keep the dtype: do not convert the input")
+
+
+register(Exercise(
+    key="ch04.split_heads", function="split_heads", reference=split_heads,
+    cases=_split_cases, compare=expect_tensor, banned=("course_attn",),
+    mistakes=(
+        Mistake("you reshaped (B, T, C) straight to (B, H, T, D): that cuts the memory into H "
+                "blocks of T·D numbers, so a 'head' holds whole tokens, not D channels of every "
+                "token; view the channels as (H, D) first, then move the head axis",
+                _split_no_transpose),
+        Mistake("your result is (B, T, H, D): the heads must come before time, (B, H, T, D), so "
+                "that each head is a (T, D) matrix for the attention", _split_only_view),
+        Mistake("your heads take every H-th channel (head h gets channels h, h+H, h+2H, ...): "
+                "head h must get the contiguous block h·D .. (h+1)·D - 1", _split_strided),
+    ),
+))
+
+
+# --- ch04.merge_heads --------------------------------------------------------------------------
+
+def _merge_no_transpose(x):
+    b, h, t, d = x.shape
+    return x.reshape(b, t, h * d)
+
+
+def _merge_only_transpose(x):
+    return x.transpose(1, 2)
+
+
+def _merge_strided(x):
+    b, h, t, d = x.shape
+    return x.permute(0, 2, 3, 1).reshape(b, t, h * d)
+
+
+def _merge_cases():
+    yield Case("B=2, H=3, T=5, D=4", (randn(2, 3, 5, 4, seed=410),),
+               hint="swap the H and T axes back, (B, T, H, D), then flatten the last two")
+    yield Case("B=1, H=2, T=4, D=3", (randn(1, 2, 4, 3, seed=411),),
+               hint="output row t must hold only position t: head 0's D numbers, then head 1's")
+    yield Case("one head (H=1)", (randn(2, 1, 3, 6, seed=412),),
+               hint="with one head the result is x without its axis of size 1")
+    yield Case("heads of width 1 (D=1), H=4", (randn(1, 4, 3, 1, seed=413),),
+               hint="with D = 1, channel h of token t is head h at position t")
+    yield Case("T=1", (randn(3, 2, 1, 4, seed=414),),
+               hint="one token: the heads side by side")
+    yield Case("float64, B=2, H=4, T=7, D=2", (randn(2, 4, 7, 2, seed=415, dtype=torch.float64),),
+               hint="a transposed tensor cannot be .view()ed: use .reshape (or .contiguous() "
+                    "first); keep the dtype")
+
+
+register(Exercise(
+    key="ch04.merge_heads", function="merge_heads", reference=merge_heads,
+    cases=_merge_cases, compare=expect_tensor, banned=("course_attn",),
+    mistakes=(
+        Mistake("you reshaped (B, H, T, D) straight to (B, T, C) without moving the heads back "
+                "next to the channels: output row t then holds several positions of one head "
+                "(token 0's row reads positions after it), not every head at position t",
+                _merge_no_transpose),
+        Mistake("your result is (B, T, H, D): after moving the heads back, flatten the last two "
+                "axes into H·D channels", _merge_only_transpose),
+        Mistake("your channels interleave the heads (channel j comes from head j mod H): head h "
+                "must fill the contiguous block h·D .. (h+1)·D - 1", _merge_strided),
+    ),
+))
+
+
+# --- ch04.multi_head_attention -----------------------------------------------------------------
+
+def multi_head_attention_reference(x, w_q, w_k, w_v, w_o, n_heads, causal):
+    """x (B, T, C), four (C, C) weights in nn.Linear's (out, in) convention -> (B, T, C)."""
+    q, k, v = (split_heads(x @ w.T, n_heads) for w in (w_q, w_k, w_v))   # (B, H, T, D)
+    out = scaled_dot_product_attention(q, k, v, is_causal=causal)          # (B, H, T, D)
+    return merge_heads(out) @ w_o.T
+
+
+def _mha(*, split=split_heads, merge=merge_heads, scale=None, project_out=True,
+         transpose_weights=True, causal_rule=None):
+    """A typical mistake: the reference with one step done another way."""
+    def fn(x, w_q, w_k, w_v, w_o, n_heads, causal):
+        if not transpose_weights:
+            w_q, w_k, w_v, w_o = (w.T for w in (w_q, w_k, w_v, w_o))
+        q, k, v = (split(x @ w.T, n_heads) for w in (w_q, w_k, w_v))
+        is_causal = causal if causal_rule is None else causal_rule
+        out = scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal,
+            scale=None if scale is None else scale(x.shape[-1], n_heads))
+        merged = merge(out)
+        return merged @ w_o.T if project_out else merged
+    return fn
+
+
+def _weights(c, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(randn(c, c, seed=gen, dtype=dtype, scale=1 / math.sqrt(c)) for _ in range(4))
+
+
+def mha_case(name, b, t, c, h, causal, seed, dtype=torch.float32, hint=""):
+    x = randn(b, t, c, seed=seed, dtype=dtype)
+    return Case(name, (x, *_weights(c, seed + 1, dtype), h, causal), hint=hint)
+
+
+def _mha_cases():
+    yield mha_case("B=2, T=6, C=12, H=3, causal", 2, 6, 12, 3, True, 420,
+                   hint="q = x @ w_q.T (weights are (out, in), as nn.Linear's), split into heads, "
+                        "attend in each head, merge, then the output projection")
+    yield mha_case("B=2, T=6, C=12, H=3, not causal", 2, 6, 12, 3, False, 422,
+                   hint="causal=False: every query may attend to every key")
+    yield mha_case("B=1, T=5, C=16, H=4, causal", 1, 5, 16, 4, True, 424,
+                   hint="scale the scores by 1/sqrt(D), D = C / H, the width of a head")
+    yield mha_case("one head (H=1), T=4, C=8, causal", 1, 4, 8, 1, True, 426,
+                   hint="with H = 1 this is chapter 3's causal attention between projections")
+    yield mha_case("heads of width 1 (H=C=6), not causal", 2, 4, 6, 6, False, 428,
+                   hint="D = 1: each head's scores are products of single numbers")
+    yield mha_case("T=1, causal", 3, 1, 8, 2, True, 430,
+                   hint="one token attends to itself only: the output is its value, projected")
+    yield mha_case("float64, B=2, T=7, C=16, H=2, causal", 2, 7, 16, 2, True, 432,
+                   dtype=torch.float64, hint="keep the dtype: do not convert the inputs")
+
+
+register(Exercise(
+    key="ch04.multi_head_attention", function="multi_head_attention",
+    reference=multi_head_attention_reference, cases=_mha_cases,
+    compare=expect_close_tensor(1e-5, 1e-5), banned=NO_LIBRARY_ATTENTION,
+    mistakes=(
+        Mistake("you merged the heads with a reshape of (B, H, T, D) straight to (B, T, C): "
+                "move the head axis back next to the channels first, or each output row mixes "
+                "several positions", _mha(merge=_merge_no_transpose)),
+        Mistake("you split the heads with a reshape of (B, T, C) straight to (B, H, T, D): view "
+                "the channels as (H, D) first, then move the head axis",
+                _mha(split=_split_no_transpose)),
+        Mistake("you scaled the scores by 1/sqrt(C): each head's dot products run over its own "
+                "D = C / H channels, so the scale is 1/sqrt(D)",
+                _mha(scale=lambda c, h: 1 / math.sqrt(c))),
+        Mistake("you did not scale the scores: divide them by sqrt(D), D = C / H",
+                _mha(scale=lambda c, h: 1.0)),
+        Mistake("you left out the output projection: after merging the heads, multiply by "
+                "w_o.T", _mha(project_out=False)),
+        Mistake("you multiplied by the weights as given (x @ w): they are in nn.Linear's "
+                "(out, in) convention, so a projection is x @ w.T",
+                _mha(transpose_weights=False)),
+        Mistake("you ignored causal=True: each query must not see the keys after it",
+                _mha(causal_rule=False)),
+        Mistake("you applied a causal mask with causal=False: then every query may see every key",
+                _mha(causal_rule=True)),
+    ),
+))
+
+
+# --- ch04.mha_cost: derive what H heads cost against one head ---------------------------------
+
+COST_SIZES = dict(C=512, H=8, T=1024)
+COST_QUESTIONS = {
+    # key: (case name, hint of the case)
+    "params": ("(a) parameters of the 8-head layer",
+               "four (C, C) projections, no biases: W_Q, W_K, W_V and W_O"),
+    "projection_macs": ("(b) multiply-adds of the four projections, T tokens",
+                        "a (T, C) @ (C, C) product is T·C·C multiply-adds; there are four"),
+    "attention_macs_multi": ("(c) multiply-adds of the scores and the weighted sum, 8 heads",
+                             "per head: (T, D) @ (D, T) for the scores, (T, T) @ (T, D) for "
+                             "the weighted sum; D = C / H; then H heads"),
+    "attention_macs_single": ("(d) the same for one head of width C",
+                              "one head: (T, C) @ (C, T), then (T, T) @ (T, C)"),
+    "score_entries_multi": ("(e) entries of the attention weights, 8 heads",
+                            "every head has its own (T, T) table of weights"),
+    "score_entries_single": ("(f) entries of the attention weights, one head",
+                             "one head: one (T, T) table"),
+}
+
+
+def mha_cost_reference(C=COST_SIZES["C"], H=COST_SIZES["H"], T=COST_SIZES["T"]):
+    """One sequence of T tokens through a self-attention layer of width C, no biases."""
+    D = C // H
+    return {
+        "params": 4 * C * C,
+        "projection_macs": 4 * T * C * C,
+        "attention_macs_multi": H * (T * D * T + T * T * D),
+        "attention_macs_single": T * C * T + T * T * C,
+        "score_entries_multi": H * T * T,
+        "score_entries_single": T * T,
+    }
+
+
+def _count_off_by(key, actual, expected) -> str:
+    got = as_number(actual)
+    if got is None:
+        return f"{key!r} should be a number, got {type(actual).__name__}"
+    return f"your {key!r} is {got / expected:.4g} times the right count"
+
+
+# A wrong count is reported as a ratio, which says how far off it is without giving the answer.
+COSTS = Questions(COST_QUESTIONS, same=lambda key, actual, expected: (
+    as_number(actual) is not None and math.isclose(as_number(actual), expected, rel_tol=1e-9)),
+    wrong=_count_off_by)
+
+
+def _costing(**wrong):
+    """A typical mistake: the right counts with these ones computed another way (from C, H,
+    T and D = C / H)."""
+    def fn():
+        c, h, t = COST_SIZES["C"], COST_SIZES["H"], COST_SIZES["T"]
+        sizes = dict(C=c, H=h, T=t, D=c // h)
+        return {**mha_cost_reference(), **{k: rule(**sizes) for k, rule in wrong.items()}}
+    return fn
+
+
+register(Exercise(
+    key="ch04.mha_cost", function="mha_cost", reference=mha_cost_reference,
+    cases=COSTS.cases, compare=COSTS.compare, banned=("course_attn",),
+    mistakes=(
+        Mistake("you left out the output projection W_O: it is a (C, C) matrix too",
+                _costing(params=lambda C, H, T, D: 3 * C * C,
+                         projection_macs=lambda C, H, T, D: 3 * T * C * C)),
+        Mistake("you left out the output projection W_O: it is a (C, C) matrix too",
+                _costing(params=lambda C, H, T, D: 3 * C * C)),
+        Mistake("you left out the output projection W_O: it is a (C, C) matrix too",
+                _costing(projection_macs=lambda C, H, T, D: 3 * T * C * C)),
+        Mistake("you gave each head its own (C, C) projections: the H heads share one (C, C) "
+                "matrix per projection, each head reading D = C / H of its output columns",
+                _costing(params=lambda C, H, T, D: 4 * H * C * C,
+                         projection_macs=lambda C, H, T, D: 4 * H * T * C * C)),
+        Mistake("you gave each head its own (C, C) projections: the H heads share one (C, C) "
+                "matrix per projection, each head reading D = C / H of its output columns",
+                _costing(params=lambda C, H, T, D: 4 * H * C * C)),
+        Mistake("you counted the projections of one head only, (C, D) each: the layer has all "
+                "H heads, (C, C) in all",
+                _costing(params=lambda C, H, T, D: 4 * C * D,
+                         projection_macs=lambda C, H, T, D: 4 * T * C * D)),
+        Mistake("you counted the projections of one head only, (C, D) each: the layer has all "
+                "H heads, (C, C) in all", _costing(params=lambda C, H, T, D: 4 * C * D)),
+        Mistake("you counted the projections of one head only, (C, D) each: the layer has all "
+                "H heads, (C, C) in all",
+                _costing(projection_macs=lambda C, H, T, D: 4 * T * C * D)),
+        Mistake("your heads' dot products run over all C channels: each head's q and k have "
+                "D = C / H channels",
+                _costing(attention_macs_multi=lambda C, H, T, D: H * 2 * T * T * C)),
+        Mistake("you counted one head only: the layer has H heads, each with its own scores "
+                "and weighted sum", _costing(attention_macs_multi=lambda C, H, T, D:
+                                             2 * T * T * D)),
+        Mistake("you counted only the scores q kᵀ: the weighted sum (weights times v) is a "
+                "second product of the same size",
+                _costing(attention_macs_multi=lambda C, H, T, D: H * T * T * D,
+                         attention_macs_single=lambda C, H, T, D: T * T * C)),
+        Mistake("you counted only the scores q kᵀ: the weighted sum (weights times v) is a "
+                "second product of the same size",
+                _costing(attention_macs_multi=lambda C, H, T, D: H * T * T * D)),
+        Mistake("you counted only the scores q kᵀ: the weighted sum (weights times v) is a "
+                "second product of the same size",
+                _costing(attention_macs_single=lambda C, H, T, D: T * T * C)),
+        Mistake("you counted 2 FLOPs per multiply-add: the question asks for multiply-adds",
+                _costing(projection_macs=lambda C, H, T, D: 8 * T * C * C,
+                         attention_macs_multi=lambda C, H, T, D: 4 * T * T * C,
+                         attention_macs_single=lambda C, H, T, D: 4 * T * T * C)),
+        Mistake("the heads share the scores' cost, not the weights: each head has its own "
+                "(T, T) table, H of them",
+                _costing(score_entries_multi=lambda C, H, T, D: T * T)),
+        Mistake("the table of weights is (T, T) per head, whatever its width: it does not "
+                "grow with D or C",
+                _costing(score_entries_multi=lambda C, H, T, D: H * T * D,
+                         score_entries_single=lambda C, H, T, D: T * C)),
+        Mistake("the table of weights is (T, T) per head, whatever its width: it does not "
+                "grow with D or C", _costing(score_entries_multi=lambda C, H, T, D: H * T * D)),
+        Mistake("the table of weights is (T, T) per head, whatever its width: it does not "
+                "grow with D or C", _costing(score_entries_single=lambda C, H, T, D: T * C)),
+    ),
+))

@@ -1,0 +1,43 @@
+"""Hidden cases of chapter 4: drawn by the grader with a fresh seed for every notebook it grades.
+Private to instructors: never published with the course (see book/instructors.md)."""
+
+import torch
+
+from course_attn.grading.cases import randint, randn
+from course_attn.grading.exercise import Case, hidden
+
+
+def _sizes(gen):
+    """B, T, H, D with H >= 2 and T >= 2, so that the typical mistakes show."""
+    return randint(1, 3, gen), randint(2, 9, gen), randint(2, 5, gen), randint(1, 6, gen)
+
+
+@hidden("ch04.split_heads")
+def _(gen):
+    b, t, h, d = _sizes(gen)
+    yield Case(f"B={b}, T={t}, C={h * d}, H={h}", (randn(b, t, h * d, seed=gen), h))
+    yield Case(f"float64, B=1, T={t + 1}, C={2 * (d + 1)}, H=2",
+               (randn(1, t + 1, 2 * (d + 1), seed=gen, dtype=torch.float64), 2))
+
+
+@hidden("ch04.merge_heads")
+def _(gen):
+    b, t, h, d = _sizes(gen)
+    yield Case(f"B={b}, H={h}, T={t}, D={d}", (randn(b, h, t, d, seed=gen),))
+    yield Case(f"float64, B=2, H={h}, T={t + 2}, D={d + 1}",
+               (randn(2, h, t + 2, d + 1, seed=gen, dtype=torch.float64),))
+
+
+@hidden("ch04.multi_head_attention")
+def _(gen):
+    b, t, h, d = _sizes(gen)
+    d = max(d, 2)
+    c = h * d
+    for causal in (True, False):
+        x = randn(b, t, c, seed=gen)
+        weights = tuple(randn(c, c, seed=gen, scale=c ** -0.5) for _ in range(4))
+        yield Case(f"B={b}, T={t}, C={c}, H={h}, causal={causal}", (x, *weights, h, causal))
+
+
+# ch04.mha_cost has no hidden cases: it asks for fixed counts (no inputs), and its one public
+# case per count already says only whether the count is right, never what it is.
