@@ -41,7 +41,7 @@ MACHINE_PATHS = sorted({str(ROOT), f"{ROOT.parent}/", sys.prefix,
 INSTALL_DIRS = re.compile(r"(site|dist)-packages")
 # Where visible prose ends: code, program output, and what MathJax drew.
 NOT_PROSE = "pre, code, kbd, samp, script, style, textarea, mjx-container, math, .highlight"
-SCREENSHOTS = ("book/01_", "book/02_", "book/03_", "exercises/", "book/appendix_")
+SCREENSHOTS = ("book/0", "exercises/", "book/appendix_")
 
 
 def _missing() -> str | None:
