@@ -163,7 +163,7 @@ def test_qk_norm_attention_may_not_call_a_library_attention():
 def test_softcap_mistakes():
     key, first = "ch06.softcap", "scores ~ ±10, cap=50 (Gemma 2's attention cap)"
     large = "large scores ~ ±200, cap=30"
-    assert_fails(key, lambda scores, cap: torch.tanh(scores) * cap, first, hint="divide by cap")
+    assert_fails(key, lambda scores, cap: torch.tanh(scores) * cap, first, hint="in units of cap")
     assert_fails(key, lambda scores, cap: torch.clamp(scores, min=-cap, max=cap), large,
                  hint="clipped")
     assert_fails(key, lambda scores, cap: torch.tanh(scores / cap), first,

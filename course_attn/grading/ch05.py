@@ -135,8 +135,8 @@ register(Exercise(
     key="ch05.apply_rope", function="apply_rope", reference=apply_rope_reference,
     cases=_rope_cases, compare=expect_close_tensor(1e-5, 1e-5), banned=("course_attn",),
     mistakes=(
-        Mistake("you rotate by -t·θᵢ (x₁ cos + x₂ sin, -x₁ sin + x₂ cos, nanochat's "
-                "convention): here a pair turns by +t·θᵢ, x₁' = x₁ cos - x₂ sin",
+        Mistake("you rotate by -t·θᵢ, clockwise (nanochat's convention): here every pair "
+                "turns by +t·θᵢ, counter-clockwise, as in RoFormer and Llama",
                 _rope_with(sign=-1.0)),
         Mistake("you pair neighbouring channels (2i, 2i + 1), the interleaved convention: here "
                 "channel i is paired with channel i + D/2 (half-split)",

@@ -217,8 +217,8 @@ register(Exercise(
     key="ch06.softcap", function="softcap", reference=softcap_reference,
     cases=_softcap_cases, compare=expect_tensor, banned=("course_attn",),
     mistakes=(
-        Mistake("you took tanh of the scores themselves: divide by cap inside the tanh "
-                "(cap · tanh(scores / cap)), or every score beyond ±2 is flattened",
+        Mistake("you took tanh of the scores themselves: every score beyond about ±2 comes "
+                "out flattened near ±cap; the tanh must see the scores measured in units of cap",
                 lambda scores, cap: cap * torch.tanh(scores)),
         Mistake("you clipped the scores at ±cap: soft-capping bends them smoothly with tanh, so "
                 "a larger score still gives a larger result (and a gradient)",
@@ -226,7 +226,8 @@ register(Exercise(
         Mistake("you forgot to multiply by cap after the tanh: the result must lie in "
                 "(-cap, cap), not (-1, 1)",
                 lambda scores, cap: torch.tanh(scores / cap)),
-        Mistake("you divided by cap after the tanh: cap · tanh(scores / cap) multiplies",
+        Mistake("you divided by cap after the tanh: your results lie in (-1/cap, 1/cap), "
+                "and they must fill (-cap, cap)",
                 lambda scores, cap: torch.tanh(scores / cap) / cap),
     ),
 ))
