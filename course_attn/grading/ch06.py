@@ -19,6 +19,7 @@ import math
 import torch
 
 from ..attention import scaled_dot_product_attention
+from ..masks import causal_mask
 from ..norm import rms_norm
 from .cases import Questions, as_number, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
@@ -108,14 +109,17 @@ def qk_norm_attention_reference(q, k, v, q_weight, k_weight, is_causal=False):
                                         is_causal=is_causal)
 
 
+def _softmax_times_v(scores, v, is_causal):
+    """As a student writes it (torch.softmax: a dead row gives NaN), bottom-right causal."""
+    if is_causal:
+        scores = scores.masked_fill(~causal_mask(*scores.shape[-2:], device=scores.device),
+                                    float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
 def _attend(q, k, v, is_causal, scale=None):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = q @ k.transpose(-2, -1) * scale
-    if is_causal:
-        tq, tk = scores.shape[-2:]
-        allowed = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    return _softmax_times_v(q @ k.transpose(-2, -1) * scale, v, is_causal)
 
 
 def _norm_over(x, weight, dim):
@@ -130,12 +134,7 @@ def _qk_over(dim):
 
 def _qk_norm_scores(q, k, v, qw, kw, is_causal=False):
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    scores = rms_norm(scores)
-    if is_causal:
-        tq, tk = scores.shape[-2:]
-        allowed = torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    return _softmax_times_v(rms_norm(scores), v, is_causal)
 
 
 def _qk_cases():
