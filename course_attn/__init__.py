@@ -3,6 +3,8 @@
 from .attention import attention_weights, repeat_kv, scaled_dot_product_attention, softmax
 from .backends import BACKENDS, get_backend, register
 from .device import available_devices, default_device, seed_everything
+from .kv_cache import KVCache
+from .mla import MultiHeadLatentAttention
 from .multihead import MultiHeadAttention
 from .norm import RMSNorm, rms_norm
 from .rope import RotaryEmbedding, apply_rotary_emb
@@ -13,7 +15,7 @@ from .masks import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "BACKENDS", "MultiHeadAttention", "RMSNorm", "RotaryEmbedding", "apply_rotary_emb",
+    "BACKENDS", "KVCache", "MultiHeadAttention", "MultiHeadLatentAttention", "RMSNorm", "RotaryEmbedding", "apply_rotary_emb",
     "attention_mask", "attention_weights", "available_devices", "causal_mask", "combine_masks",
     "default_device", "get_backend", "padding_mask", "register", "repeat_kv", "rms_norm",
     "scaled_dot_product_attention", "seed_everything", "sliding_window_mask", "softmax",

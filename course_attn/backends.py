@@ -43,14 +43,17 @@ def sdpa_attention(
 
     PyTorch's own ``is_causal`` is top-left aligned and it has no window, so both become an
     explicit bottom-right mask, except for plain square causal attention, which takes PyTorch's
-    fast path. Shapes as ``attention.scaled_dot_product_attention``.
+    fast path, and a single causal query (a decode step), which sees every key and needs no mask. Shapes as ``attention.scaled_dot_product_attention``.
     """
     check_attention_inputs(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa,
                            window=window)
     tq, tk = q.shape[-2], k.shape[-2]
     kwargs = dict(scale=scale, enable_gqa=enable_gqa and q.shape[1] != k.shape[1])
-    if is_causal and attn_mask is None and window is None and tq == tk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+    if is_causal and attn_mask is None and window is None:
+        if tq == tk:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+        if tq == 1 and tk >= 1:    # one decode step: the last query sees every key
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
     mask = attention_mask(tq, tk, attn_mask=attn_mask, is_causal=is_causal, window=window,
                           device=q.device)
     if mask is not None and mask.dtype != torch.bool:

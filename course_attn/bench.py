@@ -463,12 +463,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None,
                    help="where to run: cpu, cuda, cuda:1, mps (default: the first present of "
                         f"cuda, mps and cpu; here {default_device()})")
-    p.add_argument("--repeats", type=int, default=5, metavar="N",
+    p.add_argument("--repeats", type=int, default=None, metavar="N",
                    help="timed calls per backend and length after the warm-up; the time shown "
-                        "is their median (default: %(default)s)")
+                        "is their median (default: 5; with --decode, 3)")
     p.add_argument("--max-warmup", type=int, default=MAX_WARMUP, metavar="N",
                    help="untimed calls at most before timing, stopping sooner once the times "
                         f"settle or after {WARMUP_BUDGET_MS / 1000:g} s (default: %(default)s)")
+    decode = p.add_argument_group(
+        "decode", "With --decode: generation from the tiny GPT timed with and without a KV "
+                  "cache, and one cache append at several cached lengths, instead of the backends")
+    decode.add_argument("--decode", action="store_true",
+                        help="run the decode benchmark (it uses --batch, --heads, --head-dim, "
+                             "--device and --repeats) (default: off)")
+    decode.add_argument("--new-tokens", type=int, nargs="+", default=[64, 128, 256],
+                        metavar="N", help="tokens to generate (default: 64 128 256)")
+    decode.add_argument("--prompt-len", type=int, default=16, metavar="T",
+                        help="length of the random prompt (default: %(default)s)")
+    decode.add_argument("--cache-lens", type=int, nargs="+", default=[512, 16384], metavar="L",
+                        help="cached lengths at which one append is timed (default: 512 16384)")
+    decode.add_argument("--model-backend", choices=sorted(BACKENDS), default="math",
+                        help="the attention backend of the model (default: %(default)s)")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the rows and the hardware to this JSON file "
                         "(default: none)")
@@ -481,30 +495,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         device = default_device() if args.device is None else check_device(args.device)
-        rows = run_bench(args.backends, args.seq_lens, batch=args.batch, heads=args.heads,
-                         head_dim=args.head_dim, dtype=DTYPES[args.dtype], is_causal=args.causal,
-                         window=args.window, device=device, repeats=args.repeats,
-                         max_warmup=args.max_warmup)
+        if args.decode:
+            from .decode_bench import main_decode
+
+            args.repeats = 3 if args.repeats is None else args.repeats
+            text, report = main_decode(args, device)
+        else:
+            args.repeats = 5 if args.repeats is None else args.repeats
+            rows = run_bench(args.backends, args.seq_lens, batch=args.batch, heads=args.heads,
+                             head_dim=args.head_dim, dtype=DTYPES[args.dtype],
+                             is_causal=args.causal, window=args.window, device=device,
+                             repeats=args.repeats, max_warmup=args.max_warmup)
     except ValueError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
     info = hardware(device)
+    if args.decode:
+        print(f"{info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, "
+              f"torch {info['torch']}")
+        print(text)
+        report = {"hardware": info, "elapsed_s": elapsed, **report}
+        return _write_json(args.json, report)
     print(f"{info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, "
           f"torch {info['torch']} | B={args.batch} H={args.heads} D={args.head_dim} "
           f"{args.dtype} causal={args.causal} window={args.window} repeats={args.repeats}")
     print(format_table(rows))
     print(f"({elapsed:.1f} s)")
-    if args.json is not None:
-        report = {"hardware": info, "elapsed_s": elapsed,
-                  "rows": [dataclasses.asdict(row) for row in rows]}
-        try:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
-                f.write("\n")
-        except OSError as error:
-            print(f"{PROG}: error: cannot write {args.json}: {error.strerror}", file=sys.stderr)
-            return 2
+    return _write_json(args.json, {"hardware": info, "elapsed_s": elapsed,
+                                   "rows": [dataclasses.asdict(row) for row in rows]})
+
+
+def _write_json(path: str | None, report: dict) -> int:
+    """Write ``report`` to ``path`` (nothing when None): the exit status, 2 if it cannot."""
+    if path is None:
+        return 0
+    try:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    except OSError as error:
+        print(f"{PROG}: error: cannot write {path}: {error.strerror}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -9,6 +9,10 @@ which induction heads were first described). ``position="rope"`` drops the learn
 embedding and rotates q and k in every attention layer instead; ``qk_norm`` and ``window`` are
 passed to every ``MultiHeadAttention``, so later chapters train the same model with one switch
 changed.
+
+With a KV cache per layer (``model.new_caches``), ``model(idx, caches=caches)`` takes only the
+new tokens and attends to everything cached before them: ``generate`` prefills the prompt once,
+then feeds one token per step (chapter 8).
 """
 
 from dataclasses import dataclass
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .kv_cache import KVCache
 from .multihead import MultiHeadAttention
 
 __all__ = ["GPT", "GPTConfig", "generate", "queries_keys_values"]
@@ -88,12 +93,14 @@ class Block(nn.Module):
             self.mlp = None
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None,
-                return_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-        """x: (B, T, C) -> (x: (B, T, C), attention weights (B, H, T, T) or None).
+                cache: KVCache | None = None, return_weights: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
+        """x: (B, T, C) -> (x: (B, T, C), attention weights (B, H, T, S) or None).
 
-        ``positions`` (T,): where the tokens sit, for RoPE."""
+        ``positions`` (T,): where the tokens sit, for RoPE. ``cache``: this layer's KV cache
+        (then S = the cached length after x's tokens are added, else S = T)."""
         attended = self.attn(self.attn_norm(x), is_causal=True, positions=positions,
-                             return_weights=return_weights)
+                             cache=cache, return_weights=return_weights)
         attended, weights = attended if return_weights else (attended, None)
         x = x + attended
         if self.mlp is not None:
@@ -123,25 +130,53 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: Tensor, *, return_attention: bool = False
-                ) -> Tensor | tuple[Tensor, list[Tensor]]:
+    def new_caches(self, batch_size: int, max_seq_len: int | None = None, *,
+                   dtype: torch.dtype | None = None, device=None) -> list[KVCache]:
+        """One empty ``KVCache`` per layer, each (B, Hkv, max_seq_len, D) for keys and values.
+
+        ``max_seq_len`` defaults to ``config.seq_len``; ``dtype`` and ``device`` to the weights'.
+        """
+        max_seq_len = self.config.seq_len if max_seq_len is None else max_seq_len
+        return [block.attn.new_cache(batch_size, max_seq_len, dtype=dtype, device=device)
+                for block in self.blocks]
+
+    def forward(self, idx: Tensor, *, caches: list[KVCache] | None = None,
+                return_attention: bool = False) -> Tensor | tuple[Tensor, list[Tensor]]:
         """idx: (B, T) long -> logits (B, T, V); with ``return_attention`` also, for each layer,
-        its attention weights (B, H, T, T)."""
+        its attention weights (B, H, T, S).
+
+        ``caches`` (one ``KVCache`` per layer, from ``new_caches``): idx holds the next T tokens
+        of sequences whose first len(caches[0]) tokens are cached; they sit at positions
+        len .. len + T - 1, their keys and values are appended, and S = len + T. Without
+        caches, S = T and the tokens sit at 0 .. T - 1.
+        """
         if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.dtype != torch.long:
             raise ValueError("idx must be a (B, T) torch.long tensor, got "
                              + (f"shape {tuple(idx.shape)} dtype {idx.dtype}"
                                 if isinstance(idx, Tensor) else type(idx).__name__))
+        start = 0
+        if caches is not None:
+            if (not isinstance(caches, (list, tuple)) or len(caches) != len(self.blocks)
+                    or not all(isinstance(c, KVCache) for c in caches)):
+                raise ValueError(f"caches must be a list of {len(self.blocks)} KVCache (one per "
+                                 "layer, from model.new_caches)")
+            if len({len(c) for c in caches}) != 1:
+                raise ValueError(f"the layers' caches hold different lengths "
+                                 f"{[len(c) for c in caches]}; reset them together")
+            start = len(caches[0])
         t = idx.shape[1]
-        if t < 1 or (self.position_embedding is not None and t > self.config.seq_len):
-            raise ValueError(f"sequence length T={t} must be in [1, seq_len={self.config.seq_len}] "
-                             "(learned positions stop at seq_len)")
-        positions = torch.arange(t, device=idx.device)
+        if t < 1 or (self.position_embedding is not None and start + t > self.config.seq_len):
+            cached = f" after {start} cached tokens, at positions up to {start + t - 1}," if start else ""
+            raise ValueError(f"sequence length T={t}{cached} must be in [1, seq_len="
+                             f"{self.config.seq_len}] (learned positions stop at seq_len)")
+        positions = torch.arange(start, start + t, device=idx.device)
         x = self.token_embedding(idx)                                        # (B, T, C)
         if self.position_embedding is not None:
             x = x + self.position_embedding(positions)
         attention = []
-        for block in self.blocks:
-            x, weights = block(x, positions=positions, return_weights=return_attention)
+        for i, block in enumerate(self.blocks):
+            x, weights = block(x, positions=positions, return_weights=return_attention,
+                               cache=None if caches is None else caches[i])
             attention.append(weights)
         logits = self.lm_head(self.final_norm(x))                            # (B, T, V)
         return (logits, attention) if return_attention else logits
@@ -171,14 +206,45 @@ def queries_keys_values(model: GPT, idx: Tensor) -> list[tuple[Tensor, Tensor, T
             for block, x in zip(model.blocks, inputs)]
 
 
+def _sample(logits: Tensor, temperature: float, top_k: int | None,
+            generator: torch.Generator | None) -> Tensor:
+    """The next token of each row, logits (B, V) -> (B, 1): argmax at temperature 0, else drawn
+    from softmax(logits / temperature) restricted to the ``top_k`` largest."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+
+def _prefill(model: GPT, idx: Tensor, caches: list[KVCache], chunk: int | None) -> Tensor:
+    """Run idx (B, T) through the model into the caches, ``chunk`` tokens per forward (all at
+    once for None) -> the logits of the last token, (B, V)."""
+    chunk = idx.shape[1] if chunk is None else chunk
+    for start in range(0, idx.shape[1], chunk):
+        logits = model(idx[:, start:start + chunk], caches=caches)             # (B, chunk, V)
+    return logits[:, -1]
+
+
 @torch.no_grad()
 def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+             top_k: int | None = None, generator: torch.Generator | None = None,
+             use_cache: bool = True, prefill_chunk: int | None = None) -> Tensor:
     """Extend idx (B, T) by ``max_new_tokens`` sampled tokens -> (B, T + max_new_tokens).
 
-    Each step feeds the last ``seq_len`` tokens and samples from softmax(logits / temperature),
-    restricted to the ``top_k`` most likely tokens when given. ``temperature == 0`` is greedy
-    (always the most likely token). ``generator`` must live on idx's device.
+    Each new token is drawn from softmax(logits / temperature) of the model's last position,
+    restricted to the ``top_k`` most likely tokens when given; ``temperature == 0`` is greedy
+    (always the most likely token). ``generator`` must live on idx's device. The model sees the
+    last ``seq_len`` tokens at most.
+
+    ``use_cache=True``: the prompt is run once (the prefill, ``prefill_chunk`` tokens per forward
+    when given), its keys and values kept in one ``KVCache`` per layer, and then each step runs
+    only the newest token. Once the sequence outgrows ``seq_len``, every token's position shifts
+    at each step, so nothing cached stays valid: each step then prefills the last ``seq_len``
+    tokens afresh. ``use_cache=False`` runs the whole sequence at every step. Both give the same
+    logits, up to float rounding, so greedy decoding gives the same tokens.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -186,16 +252,26 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float
         raise ValueError(f"temperature must be >= 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool)
+                                      or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+    context = model.config.seq_len
+    if not use_cache:
+        for _ in range(max_new_tokens):
+            logits = model(idx[:, -context:])[:, -1, :]                        # (B, V)
+            idx = torch.cat([idx, _sample(logits, temperature, top_k, generator)], dim=1)
+        return idx
+    if max_new_tokens == 0:
+        return idx
+    capacity = min(idx.shape[1] + max_new_tokens - 1, context)
+    caches = model.new_caches(idx.shape[0], capacity, device=idx.device)
+    pending = idx[:, -context:]                       # tokens whose keys are not cached yet
     for _ in range(max_new_tokens):
-        logits = model(idx[:, -model.config.seq_len:])[:, -1, :]            # (B, V)
-        if temperature == 0:
-            next_token = logits.argmax(dim=-1, keepdim=True)                 # (B, 1)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = F.softmax(logits, dim=-1)
-            next_token = torch.multinomial(probs, 1, generator=generator)   # (B, 1)
-        idx = torch.cat([idx, next_token], dim=1)
+        if len(caches[0]) + pending.shape[1] > context:   # the window slides: start afresh
+            for cache in caches:
+                cache.reset()
+            pending = idx[:, -context:]
+        logits = _prefill(model, pending, caches, prefill_chunk)                # (B, V)
+        pending = _sample(logits, temperature, top_k, generator)                # (B, 1)
+        idx = torch.cat([idx, pending], dim=1)
     return idx

@@ -8,7 +8,8 @@
 With ``n_kv_heads < n_heads`` (grouped-query attention), Wk and Wv make only ``n_kv_heads``
 heads and each serves ``n_heads // n_kv_heads`` query heads. RoPE (``rope.py``), QK-norm
 (``norm.py``), a sliding window, dropout on the weights and cross-attention are options of the
-one module, applied to the heads between the split and the attention.
+one module, applied to the heads between the split and the attention. With a ``KVCache``
+(chapter 8) the new keys and values are appended to the cache and the queries attend to all of it.
 """
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 
 from .attention import attention_weights, repeat_kv
 from .backends import get_backend
+from .kv_cache import KVCache
 from .masks import check_window
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, apply_rotary_emb
@@ -155,10 +157,20 @@ class MultiHeadAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
+    def new_cache(self, batch_size: int, max_seq_len: int, *, dtype: torch.dtype | None = None,
+                  device=None) -> KVCache:
+        """An empty ``KVCache`` for this module's key/value heads: (B, Hkv, max_seq_len, D).
+
+        ``dtype`` and ``device`` default to those of the module's weights."""
+        weight = self.k_proj.weight
+        return KVCache(batch_size, self.n_kv_heads, max_seq_len, self.head_dim,
+                       dtype=weight.dtype if dtype is None else dtype,
+                       device=weight.device if device is None else device)
+
     def forward(self, x: Tensor, *, context: Tensor | None = None,
                 attn_mask: Tensor | None = None, is_causal: bool | None = None,
-                positions: Tensor | None = None, return_weights: bool = False
-                ) -> Tensor | tuple[Tensor, Tensor]:
+                positions: Tensor | None = None, cache: KVCache | None = None,
+                return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """x: (B, T, C) -> (B, T, C); with ``return_weights``, also the weights (B, H, T, S).
 
         ``context`` (B, S, context_dim): attend to it (cross-attention) instead of to x.
@@ -166,8 +178,27 @@ class MultiHeadAttention(nn.Module):
         (B, H, T, S). ``is_causal`` hides each token's future; None means True for
         self-attention and False for cross-attention. A key must pass the mask, the causal
         rule and the window. ``positions``: (T,) positions for RoPE, default 0 .. T-1.
+
+        ``cache`` (a ``KVCache``, see ``new_cache``): x's keys and values are appended to it and
+        the queries attend to every cached key, S = len(cache) after the update. x's tokens are
+        then the last T of the sequence: RoPE positions default to len(cache) .. len(cache)+T-1
+        (read before the update) and the causal mask is aligned bottom-right.
         """
+        if cache is not None:
+            if context is not None:
+                raise ValueError("cache is for self-attention; cross-attention's keys come from "
+                                 "context, which does not grow")
+            if not isinstance(cache, KVCache):
+                raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
+            if cache.n_kv_heads != self.n_kv_heads or cache.head_dim != self.head_dim:
+                raise ValueError(f"the cache holds n_kv_heads={cache.n_kv_heads} heads of "
+                                 f"head_dim={cache.head_dim}, this module makes "
+                                 f"{self.n_kv_heads} of {self.head_dim}")
+            if positions is None and isinstance(x, Tensor) and x.dim() == 3:
+                positions = torch.arange(len(cache), len(cache) + x.shape[1], device=x.device)
         q, k, v = self.project(x, context=context, positions=positions)
+        if cache is not None:
+            k, v = cache.update(k, v)                                          # (B, Hkv, S, D)
         if is_causal is None:
             is_causal = context is None
         options = dict(attn_mask=attn_mask, is_causal=is_causal, scale=self.scale,

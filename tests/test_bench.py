@@ -201,7 +201,8 @@ def test_help_says_what_each_option_means_and_its_default(capsys):
     entries = [e for e in ("\n" + options).split("\n  -")[1:] if not e.startswith("h, --help")]
     names = [e.split()[0].rstrip(",") for e in entries]
     assert names == ["-seq-lens", "-batch", "-heads", "-head-dim", "-dtype", "-causal",
-                     "-window", "-backends", "-device", "-repeats", "-max-warmup", "-json"]
+                     "-window", "-backends", "-device", "-repeats", "-max-warmup", "-json",
+                     "-decode", "-new-tokens", "-prompt-len", "-cache-lens", "-model-backend"]
     for entry in entries:
         words = " ".join(entry.split())
         assert "(default: " in words, f"no default in: {words}"
