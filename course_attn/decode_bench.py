@@ -103,7 +103,7 @@ def run_decode_bench(new_tokens: Sequence[int] = (64, 128, 256), *, prompt_len: 
 
 
 def run_cache_update_bench(cached_lens: Sequence[int] = (512, 16384), *, heads: int = 8,
-                           head_dim: int = 64, calls: int = 200, repeats: int = 5,
+                           head_dim: int = 64, calls: int = 50, repeats: int = 5,
                            device=None) -> list[CacheUpdateRow]:
     """Microseconds to append one token's k and v (1, heads, 1, head_dim) to L cached tokens.
 
@@ -186,6 +186,6 @@ def main_decode(args, device: torch.device) -> tuple[str, dict]:
         f"tokens, B={args.batch}, median of {args.repeats}:",
         format_decode_table(decode), "",
         f"Appending one token to a cache (B=1, H={args.heads}, D={args.head_dim}, float32), "
-        "mean of 200 appends, median of 5:",
+        "mean of 50 appends, median of 5:",
         format_update_table(updates),
         f"({time.perf_counter() - start:.1f} s)"]), report
