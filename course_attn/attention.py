@@ -99,9 +99,14 @@ def check_attention_inputs(
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     """(B, Hkv, T, D) -> (B, Hkv·n_rep, T, D): each key/value head serves n_rep query heads.
 
-    Query head h uses key/value head h // n_rep, as PyTorch's ``enable_gqa``.
+    Query head h uses key/value head h // n_rep, as PyTorch's ``enable_gqa``. A new axis of
+    size n_rep is made by ``expand`` (a view, no copy), and the reshape folds it into the heads:
+    the one copy is the reshape's.
     """
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+    if n_rep == 1:
+        return x
+    b, h_kv, t, d = x.shape
+    return x[:, :, None].expand(b, h_kv, n_rep, t, d).reshape(b, h_kv * n_rep, t, d)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
