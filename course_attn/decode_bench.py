@@ -58,6 +58,12 @@ def _check_positive(name: str, values: Sequence[int]) -> None:
         raise ValueError(f"{name} must be a non-empty list of positive ints, got {values!r}")
 
 
+def _check_counts(**counts: int) -> None:
+    for name, n in counts.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+
+
 def decode_model(config: GPTConfig | None = None, *, device=None, seed: int = 0) -> GPT:
     """The model the decode benchmark generates from: ``GPTConfig`` defaults with RoPE
     positions and a vocabulary of 64 unless ``config`` is given; eval mode, seeded."""
@@ -68,13 +74,15 @@ def decode_model(config: GPTConfig | None = None, *, device=None, seed: int = 0)
 
 def run_decode_bench(new_tokens: Sequence[int] = (64, 128, 256), *, prompt_len: int = 16,
                      batch: int = 1, model: GPT | None = None, device=None,
-                     repeats: int = 3) -> list[DecodeRow]:
+                     repeats: int = 3, memory: bool = True) -> list[DecodeRow]:
     """Greedy generation of each N in ``new_tokens``, with and without the cache, timed in turns.
 
     Asserts on the way that both give the same tokens. ``model`` defaults to ``decode_model``.
+    ``memory=False`` skips the peak-memory runs (on the CPU the profiler that measures them
+    makes each such run several times slower); the peaks are then None.
     """
     _check_positive("new_tokens", list(new_tokens))
-    _check_positive("prompt_len, batch, repeats", [prompt_len, batch, repeats])
+    _check_counts(prompt_len=prompt_len, batch=batch, repeats=repeats)
     model = decode_model(device=device) if model is None else model
     device = next(model.parameters()).device
     prompt = torch.randint(model.config.vocab_size, (batch, prompt_len),
@@ -90,7 +98,8 @@ def run_decode_bench(new_tokens: Sequence[int] = (64, 128, 256), *, prompt_len: 
         for r in range(repeats):
             for cached in ((True, False) if r % 2 == 0 else (False, True)):
                 times[cached].append(_time_call_ms(runs[cached], device))
-        peaks = {cached: peak_memory_bytes(runs[cached], device) for cached in runs}
+        peaks = {cached: peak_memory_bytes(runs[cached], device) if memory else None
+                 for cached in runs}
         cached_ms, uncached_ms = statistics.median(times[True]), statistics.median(times[False])
         capacity = min(prompt_len + n - 1, model.config.seq_len)
         cache_bytes = sum(c.nbytes for c in model.new_caches(batch, capacity, device=device))
@@ -110,6 +119,7 @@ def run_cache_update_bench(cached_lens: Sequence[int] = (512, 16384), *, heads: 
     The median over ``repeats`` of the mean over ``calls`` appends, in place and by torch.cat.
     """
     _check_positive("cached_lens", list(cached_lens))
+    _check_counts(heads=heads, head_dim=head_dim, calls=calls, repeats=repeats)
     device = torch.device("cpu") if device is None else torch.device(device)
     rows = []
     for length in cached_lens:

@@ -33,6 +33,9 @@ class KVCache:
     ``len(cache)`` is how many positions hold data; ``cache.reset()`` empties it for a new
     sequence. ``value_dim`` (default ``head_dim``) is the width of the values when it differs
     from the keys'. ``nbytes`` is the memory the buffers take.
+
+    It is for inference: the in-place writes are not something autograd can differentiate
+    through (a backward through ``update`` fails), so train on whole sequences, without a cache.
     """
 
     def __init__(self, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int, *,

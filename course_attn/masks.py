@@ -124,6 +124,8 @@ def structural_mask(
     check_window(window)
     if not is_causal and window is None:
         return None
+    if window is None and tq == 1:      # one query at the end (a decode step) sees every key
+        return None
     if window is None:
         return causal_mask(tq, tk, device=device)
     return sliding_window_mask(tq, tk, window, causal=is_causal, device=device)

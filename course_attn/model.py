@@ -165,7 +165,9 @@ class GPT(nn.Module):
                                  f"{[len(c) for c in caches]}; reset them together")
             start = len(caches[0])
         t = idx.shape[1]
-        if t < 1 or (self.position_embedding is not None and start + t > self.config.seq_len):
+        if t < 1:
+            raise ValueError(f"idx must hold at least one token, got shape {tuple(idx.shape)}")
+        if self.position_embedding is not None and start + t > self.config.seq_len:
             cached = f" after {start} cached tokens, at positions up to {start + t - 1}," if start else ""
             raise ValueError(f"sequence length T={t}{cached} must be in [1, seq_len="
                              f"{self.config.seq_len}] (learned positions stop at seq_len)")
@@ -228,7 +230,6 @@ def _prefill(model: GPT, idx: Tensor, caches: list[KVCache], chunk: int | None) 
     return logits[:, -1]
 
 
-@torch.no_grad()
 def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, generator: torch.Generator | None = None,
              use_cache: bool = True, prefill_chunk: int | None = None) -> Tensor:
@@ -255,6 +256,17 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool)
                                       or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+    # inference mode: no autograd bookkeeping at all, which is most of a small decode step's
+    # cost; the clone makes the result an ordinary tensor, usable in training afterwards
+    with torch.inference_mode():
+        out = _generate(model, idx, max_new_tokens, temperature, top_k, generator, use_cache,
+                        prefill_chunk)
+    return out.clone()
+
+
+def _generate(model, idx, max_new_tokens, temperature, top_k, generator, use_cache,
+              prefill_chunk) -> Tensor:
+    """``generate``'s loop, its arguments checked."""
     context = model.config.seq_len
     if not use_cache:
         for _ in range(max_new_tokens):
