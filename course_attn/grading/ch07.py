@@ -1,0 +1,308 @@
+"""Exercises of Chapter 7, MQA and GQA.
+
+    ch07.repeat_kv         repeat_kv(x, n_rep) -> (B, Hkv·n_rep, T, D): each key/value head
+                           repeated for the n_rep query heads that read it (query head h reads
+                           KV head h // n_rep), with expand and reshape
+    ch07.gqa_attention     gqa_attention(q, k, v, is_causal=False) -> (B, H, Tq, Dv): attention
+                           whose H query heads share Hkv key/value heads
+    ch07.kv_cache_bytes    kv_cache_bytes(config, seq_len, batch_size=1, bytes_per_element=2)
+                           -> int: the KV cache's size for a model's config.json
+    ch07.cache_questions   cache_questions() -> dict: which KV head a query head reads, how many
+                           tokens fit in a cache, how much MLA saves (derive: compared with the
+                           formulas, computed)
+
+References: ``course_attn.repeat_kv`` and ``course_attn.scaled_dot_product_attention(...,
+enable_gqa=True)``; the cache size 2 · layers · B · Hkv · D · T · bytes.
+"""
+
+import math
+
+import torch
+
+from ..attention import repeat_kv, scaled_dot_product_attention
+from ..masks import causal_mask
+from .cases import Questions, as_number, expect_tensor, randn
+from .ch01 import NO_LIBRARY_ATTENTION
+from .exercise import Case, Exercise, Mistake, register
+
+NO_REPEAT_INTERLEAVE = ("course_attn", "torch.repeat_interleave",
+                        "torch.Tensor.repeat_interleave")
+
+
+# --- ch07.repeat_kv -------------------------------------------------------------------------------
+
+def repeat_kv_reference(x, n_rep):
+    """(B, Hkv, T, D) -> (B, Hkv·n_rep, T, D): head j of the result is head j // n_rep of x."""
+    return repeat_kv(x, n_rep)
+
+
+def _tiled(x, n_rep):
+    """The heads tiled, 0 1 2 0 1 2 ...: query head h would read KV head h % Hkv."""
+    return x.repeat(1, n_rep, 1, 1)
+
+
+def _repeat_kv_cases():
+    yield Case("x (2, 2, 5, 4), n_rep=3 (6 query heads, 2 KV heads)",
+               (randn(2, 2, 5, 4, seed=700), 3),
+               hint="heads 0, 1, 2 of the result are KV head 0, heads 3, 4, 5 are KV head 1: "
+                    "insert a new axis after the heads, expand it to n_rep, then merge the two")
+    yield Case("x (1, 3, 4, 2), n_rep=2", (randn(1, 3, 4, 2, seed=701), 2),
+               hint="the result has Hkv·n_rep heads, and every other axis as it was")
+    yield Case("n_rep=1 (MHA): x unchanged", (randn(2, 4, 3, 5, seed=702), 1),
+               hint="with n_rep=1 every query head has its own KV head: return x's values")
+    yield Case("one KV head (MQA), n_rep=4", (randn(2, 1, 6, 4, seed=703), 4),
+               hint="with one KV head, every query head reads it")
+    yield Case("T=1 (one decode step), float64, n_rep=2",
+               (randn(3, 4, 1, 8, seed=704, dtype=torch.float64), 2),
+               hint="do not convert the input; let its dtype flow through")
+
+
+# Two ways of repeating along the time axis (each position n_rep times, or the whole sequence
+# n_rep times): the same mistake, named by the same hint.
+ALONG_TIME = "you repeated along the time axis: the result needs more heads, not more positions"
+
+register(Exercise(
+    key="ch07.repeat_kv", function="repeat_kv", reference=repeat_kv_reference,
+    cases=_repeat_kv_cases, compare=expect_tensor, banned=NO_REPEAT_INTERLEAVE,
+    mistakes=(
+        Mistake("you tiled the heads (0 1 0 1 ...): query head h must read KV head h // n_rep, "
+                "so the copies of one KV head sit next to each other; the new axis goes "
+                "after the heads' axis, not before it", _tiled),
+        Mistake(ALONG_TIME, lambda x, n_rep: x[:, :, :, None].expand(
+                    *x.shape[:3], n_rep, x.shape[3]).reshape(
+                    x.shape[0], x.shape[1], x.shape[2] * n_rep, x.shape[3])),
+        Mistake(ALONG_TIME, lambda x, n_rep: x.repeat(1, 1, n_rep, 1)),
+        Mistake("you repeated along the batch axis: the result needs more heads, not more "
+                "sequences", lambda x, n_rep: x[None].expand(n_rep, *x.shape).reshape(
+                    x.shape[0] * n_rep, *x.shape[1:])),
+        Mistake("you expanded but never merged the new axis into the heads: reshape to "
+                "(B, Hkv·n_rep, T, D)", lambda x, n_rep: x[:, :, None].expand(
+                    x.shape[0], x.shape[1], n_rep, *x.shape[2:])),
+    ),
+))
+
+
+# --- ch07.gqa_attention ---------------------------------------------------------------------------
+
+def gqa_attention_reference(q, k, v, is_causal=False):
+    """(B, H, Tq, D), (B, Hkv, Tk, D), (B, Hkv, Tk, Dv) -> (B, H, Tq, Dv)."""
+    return scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+
+
+def _attend(q, k, v, is_causal, scale=None, dim=-1):
+    """Plain attention as a student writes it (torch.softmax), bottom-right causal."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale                           # (B, H, Tq, Tk)
+    if is_causal:
+        scores = scores.masked_fill(~causal_mask(*scores.shape[-2:], device=scores.device),
+                                    float("-inf"))
+    return torch.softmax(scores, dim=dim) @ v
+
+
+def _grouped(how):
+    def fn(q, k, v, is_causal=False, **options):
+        n_rep = q.shape[1] // k.shape[1]
+        return _attend(q, how(k, n_rep), how(v, n_rep), is_causal, **options)
+    return fn
+
+
+def _gqa_cases():
+    g = torch.Generator().manual_seed(710)
+    q, k, v = randn(2, 4, 5, 8, seed=g), randn(2, 2, 5, 8, seed=g), randn(2, 2, 5, 8, seed=g)
+    yield Case("B=2, H=4 query heads, Hkv=2, T=5, D=8", (q, k, v),
+               hint="query head h reads KV head h // (H / Hkv); then softmax(q kᵀ / sqrt(D)) v "
+                    "in each head")
+    yield Case("causal, H=4, Hkv=2, T=5", (q, k, v), {"is_causal": True},
+               hint="with is_causal, query i may attend to keys 0..i: -inf above the diagonal")
+    q, k, v = randn(1, 6, 3, 4, seed=g), randn(1, 2, 7, 4, seed=g), randn(1, 2, 7, 3, seed=g)
+    yield Case("H=6, Hkv=2 (groups of 3), Tq=3 != Tk=7, Dv=3", (q, k, v),
+               hint="the values are shared like the keys: both need the same repeat; the "
+                    "output has the query heads' count and the values' width")
+    q, k, v = randn(2, 4, 4, 8, seed=g), randn(2, 1, 4, 8, seed=g), randn(2, 1, 4, 8, seed=g)
+    yield Case("MQA: H=4, one KV head", (q, k, v),
+               hint="with one KV head, every query head attends over the same keys and values")
+    q, k, v = (randn(1, 3, 4, 6, seed=g) for _ in range(3))
+    yield Case("MHA: H = Hkv = 3", (q, k, v),
+               hint="with Hkv = H, this is ordinary multi-head attention")
+    q = randn(1, 8, 6, 4, seed=g, dtype=torch.float64, scale=2.0)
+    k, v = (randn(1, 2, 6, 4, seed=g, dtype=torch.float64, scale=2.0) for _ in range(2))
+    yield Case("float64, causal, H=8, Hkv=2", (q, k, v), {"is_causal": True},
+               hint="do not convert the inputs; let their dtype flow through")
+
+
+def _first_kv_head_only(q, k, v, is_causal=False):
+    return _attend(q, k[:, :1], v[:, :1], is_causal)
+
+
+register(Exercise(
+    key="ch07.gqa_attention", function="gqa_attention", reference=gqa_attention_reference,
+    cases=_gqa_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
+    mistakes=(
+        Mistake("you tiled the KV heads (0 1 0 1 ...): query head h reads KV head h // (H / Hkv), "
+                "so the query heads of one group are neighbours", _grouped(_tiled)),
+        Mistake("you forgot the 1/sqrt(D) scale of the scores",
+                lambda q, k, v, is_causal=False: _grouped(repeat_kv)(q, k, v, is_causal,
+                                                                     scale=1.0)),
+        Mistake("every query head reads KV head 0: each group of query heads has its own KV head",
+                _first_kv_head_only),
+        Mistake("you took the softmax over the queries (axis -2): each query's weights over "
+                "the keys sum to 1, so it runs over the last axis",
+                lambda q, k, v, is_causal=False: _grouped(repeat_kv)(q, k, v, is_causal,
+                                                                     dim=-2)),
+        Mistake("you repeated the keys but tiled the values: both must follow the same "
+                "grouping, query head h reads keys and values of KV head h // (H / Hkv)",
+                lambda q, k, v, is_causal=False: _attend(
+                    q, repeat_kv(k, q.shape[1] // k.shape[1]),
+                    _tiled(v, q.shape[1] // k.shape[1]), is_causal)),
+    ),
+))
+
+
+# --- ch07.kv_cache_bytes --------------------------------------------------------------------------
+
+def _head_dim(config):
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def _kv_heads(config):
+    return config.get("num_key_value_heads") or config["num_attention_heads"]
+
+
+def kv_cache_bytes_reference(config, seq_len, batch_size=1, bytes_per_element=2):
+    """2 (K and V) · layers · batch · KV heads · head dim · tokens · bytes per element."""
+    return (2 * config["num_hidden_layers"] * batch_size * _kv_heads(config) * _head_dim(config)
+            * seq_len * bytes_per_element)
+
+
+def _bytes_with(*, factor=2, heads=_kv_heads, head_dim=_head_dim, layers=True, batch=True,
+                element=None):
+    def fn(config, seq_len, batch_size=1, bytes_per_element=2):
+        return (factor * (config["num_hidden_layers"] if layers else 1)
+                * (batch_size if batch else 1) * heads(config) * head_dim(config) * seq_len
+                * (bytes_per_element if element is None else element))
+    return fn
+
+
+def _expect_count(actual, expected, case=None):
+    number = as_number(actual)
+    if number is None:
+        raise AssertionError(f"your answer should be a number (an int of bytes), got "
+                             f"{type(actual).__name__}")
+    if number != expected:
+        ratio = number / expected if expected else float("inf")
+        raise AssertionError(f"your answer is {ratio:.4g} times the expected number of bytes")
+
+
+LLAMA3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
+             "num_key_value_heads": 8}
+
+
+def _bytes_cases():
+    yield Case("Llama-3-8B's config (GQA, 8 KV heads), 1000 tokens, bf16", (LLAMA3_8B, 1000),
+               hint="per token and per layer the cache holds a key AND a value for each KV head")
+    yield Case("the same, 4 sequences of 512 tokens in an 8-bit cache (1 byte a number)",
+               (LLAMA3_8B, 512), {"batch_size": 4, "bytes_per_element": 1},
+               hint="every sequence of the batch has its own cache, and bytes_per_element says "
+                    "how large one number is")
+    yield Case("an MHA config without num_key_value_heads (it then equals num_attention_heads)",
+               ({"hidden_size": 2048, "num_attention_heads": 16, "num_hidden_layers": 24}, 300),
+               hint="Hugging Face configs leave num_key_value_heads out for MHA: then every query "
+                    "head has its own KV head")
+    yield Case("a config with head_dim given (not hidden_size / heads), MQA",
+               ({"hidden_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 1,
+                 "head_dim": 256, "num_hidden_layers": 28}, 2048),
+               hint="when the config gives head_dim, use it; it need not be hidden_size / heads")
+    yield Case("Falcon-7B-like MQA: 71 heads of 64, one KV head, 32 layers, 1 token",
+               ({"hidden_size": 4544, "num_attention_heads": 71, "num_key_value_heads": 1,
+                 "num_hidden_layers": 32}, 1),
+               hint="one KV head for all 71 query heads: count the heads that are cached")
+
+
+register(Exercise(
+    key="ch07.kv_cache_bytes", function="kv_cache_bytes", reference=kv_cache_bytes_reference,
+    cases=_bytes_cases, compare=_expect_count, banned=("course_attn",),
+    mistakes=(
+        Mistake("you forgot the factor 2: the cache holds the keys and the values",
+                _bytes_with(factor=1)),
+        Mistake("you counted the query heads: the cache holds only the KV heads",
+                _bytes_with(heads=lambda c: c["num_attention_heads"])),
+        Mistake("you counted one layer: every layer has its own cache",
+                _bytes_with(layers=False)),
+        Mistake("you forgot the batch: every sequence has its own cache",
+                _bytes_with(batch=False)),
+        Mistake("you fixed the size of a number at 2 bytes: use bytes_per_element",
+                _bytes_with(element=2)),
+        Mistake("you ignored the config's head_dim: when it is given, it is the head dimension",
+                _bytes_with(head_dim=lambda c: c["hidden_size"] // c["num_attention_heads"])),
+    ),
+))
+
+
+# --- ch07.cache_questions: derive ----------------------------------------------------------------
+
+QUESTIONS = {
+    "kv_head_of_query_13": (
+        "(a) the KV head that query head 13 reads, H=32, Hkv=8",
+        "the query heads are split into Hkv groups of consecutive heads; count which group "
+        "head 13 falls in (heads count from 0)"),
+    "tokens_in_16_gib": (
+        "(b) the tokens that fit in 16 GiB of cache, Llama-3-8B in bf16",
+        "divide the memory by the bytes one token takes in every layer: a key and a value per "
+        "KV head"),
+    "mla_saving_deepseek_v2": (
+        "(c) how many times smaller DeepSeek-V2's MLA cache is than MHA's",
+        "MHA caches a key and a value per head per token and layer; MLA caches one latent and "
+        "one shared RoPE key"),
+}
+
+GIB = 2 ** 30
+
+
+def _tokens_in(memory, *, factor=2, heads=8, element=2):
+    return memory // (factor * 32 * heads * 128 * element)
+
+
+def cache_questions_reference():
+    """(a) 13 // (32 / 8); (b) 16 GiB over Llama-3-8B's bytes per token; (c) 2 · 128 · 128
+    over 512 + 64."""
+    return {"kv_head_of_query_13": 13 // (32 // 8), "tokens_in_16_gib": _tokens_in(16 * GIB),
+            "mla_saving_deepseek_v2": 2 * 128 * 128 / (512 + 64)}
+
+
+def _same_number(actual, expected) -> bool:
+    actual = as_number(actual)
+    return actual is not None and math.isclose(actual, expected, rel_tol=1e-3, abs_tol=1e-6)
+
+
+ANSWERS = Questions(QUESTIONS, same=lambda key, actual, expected: _same_number(actual, expected),
+                    wrong=lambda key, actual, expected: f"your answer {key!r} is not the one "
+                                                        "the formula gives")
+
+
+def _answering(**wrong):
+    """A typical wrong answer: the right answers with these ones changed."""
+    return lambda: {**cache_questions_reference(), **wrong}
+
+
+register(Exercise(
+    key="ch07.cache_questions", function="cache_questions", reference=cache_questions_reference,
+    cases=ANSWERS.cases, compare=ANSWERS.compare, banned=("course_attn",),
+    mistakes=(
+        Mistake("you tiled the heads (head h reads KV head h % Hkv): the query heads of one "
+                "group are consecutive", _answering(kv_head_of_query_13=13 % 8)),
+        Mistake("you divided by the group size the wrong way round: there are Hkv = 8 groups "
+                "of H / Hkv = 4 heads", _answering(kv_head_of_query_13=13 // 8)),
+        Mistake("you counted the query heads: only the 8 KV heads are cached",
+                _answering(tokens_in_16_gib=_tokens_in(16 * GIB, heads=32))),
+        Mistake("you forgot the factor 2: the cache holds the keys and the values",
+                _answering(tokens_in_16_gib=_tokens_in(16 * GIB, factor=1))),
+        Mistake("bf16 takes 2 bytes per number, not 4",
+                _answering(tokens_in_16_gib=_tokens_in(16 * GIB, element=4))),
+        Mistake("a GiB is 2³⁰ bytes, not 10⁹",
+                _answering(tokens_in_16_gib=_tokens_in(16 * 10 ** 9))),
+        Mistake("you forgot the decoupled RoPE key: MLA caches it beside the latent",
+                _answering(mla_saving_deepseek_v2=2 * 128 * 128 / 512)),
+        Mistake("you forgot the factor 2 of MHA: it caches a key and a value per head",
+                _answering(mla_saving_deepseek_v2=128 * 128 / (512 + 64))),
+    ),
+))
