@@ -1,0 +1,364 @@
+"""Exercises of Chapter 8, the KV cache.
+
+    ch08.fill_cache       fill_cache(k_chunks, v_chunks, max_seq_len) -> [(k, v), ...]: write
+                          each chunk (B, H, T_i, D) in place into buffers preallocated once at
+                          max_seq_len, at the current length; after each write, the valid prefix
+                          (B, H, length, D) of each buffer
+    ch08.decode_step      decode_step(q_new, k_new, v_new, k_past, v_past, cos, sin)
+                          -> (B, H, T_new, Dv): rotate the new queries and keys at positions
+                          L .. L + T_new - 1 (L = the cached length), append the new keys and
+                          values to the cached ones, attend with the bottom-right causal mask
+    ch08.decode_savings   decode_savings() -> dict: multiply-adds of one step and of a whole
+                          generation, with and without the cache, for GPT-2 small (derive:
+                          compared with the formulas, computed)
+
+References: ``course_attn.KVCache``; ``course_attn.apply_rotary_emb`` and
+``course_attn.scaled_dot_product_attention``; the counts from M(Tq, Tk) = Tq·a + L·2·Tq·Tk·C.
+"""
+
+import math
+
+import torch
+
+from ..attention import scaled_dot_product_attention
+from ..kv_cache import KVCache
+from ..masks import causal_mask
+from ..rope import apply_rotary_emb
+from .cases import Questions, as_number, expect_tensor, randn
+from .exercise import Case, Exercise, Mistake, register
+from .ch01 import NO_LIBRARY_ATTENTION
+
+NO_GROWING = ("course_attn", "torch.cat", "torch.concat", "torch.concatenate", "torch.stack",
+              "torch.hstack", "torch.vstack", "torch.dstack", "torch.column_stack",
+              "torch.Tensor.resize_", "torch.nn.functional.pad")
+
+
+# --- ch08.fill_cache -----------------------------------------------------------------------------
+
+def fill_cache_reference(k_chunks, v_chunks, max_seq_len):
+    """Every chunk written into one ``KVCache`` -> the valid prefixes after each write."""
+    b, h, _, d = k_chunks[0].shape
+    cache = KVCache(b, h, max_seq_len, d, value_dim=v_chunks[0].shape[-1],
+                    dtype=k_chunks[0].dtype, device=k_chunks[0].device)
+    return [tuple(t.clone() for t in cache.update(k, v)) for k, v in zip(k_chunks, v_chunks)]
+
+
+def _prefix_pair(i, pair):
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise AssertionError(f"entry {i} of your list should be a pair (k, v) of tensors, got "
+                             f"{type(pair).__name__}")
+    return pair
+
+
+def expect_prefixes(actual, expected, case=None) -> None:
+    """A list with one pair (k, v) per chunk, each as ``expect_tensor`` wants it."""
+    if not isinstance(actual, (list, tuple)):
+        raise AssertionError(f"your function should return a list of (k, v) pairs, got "
+                             f"{type(actual).__name__}")
+    if len(actual) != len(expected):
+        raise AssertionError(f"your list has {len(actual)} entries, one per chunk is "
+                             f"{len(expected)}")
+    for i, (pair, (k, v)) in enumerate(zip(actual, expected)):
+        for name, got, want in zip(("k", "v"), _prefix_pair(i, pair), (k, v)):
+            try:
+                expect_tensor(got, want, case)
+            except AssertionError as error:
+                raise AssertionError(f"after chunk {i} ({name}): {error}") from None
+
+
+def _chunks(sizes, b, h, d, dv, seed, dtype=torch.float32):
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    ks = [randn(b, h, t, d, seed=g, dtype=dtype) for t in sizes]
+    vs = [randn(b, h, t, dv, seed=g, dtype=dtype) for t in sizes]
+    return ks, vs
+
+
+def _fill_cases():
+    ks, vs = _chunks((3, 1, 1), 1, 2, 4, 4, seed=800)
+    yield Case("a prompt of 3, then two single tokens; B=1, H=2, D=4, room for 8",
+               (ks, vs, 8), hint="write each chunk at the current length, then return the first "
+                                 "`length` positions of each buffer")
+    ks, vs = _chunks((2, 3, 1), 2, 1, 3, 3, seed=801)
+    yield Case("chunks of 2, 3 and 1 (a chunked prefill); room for exactly 6", (ks, vs, 6),
+               hint="a chunk of T_new tokens moves the length on by T_new")
+    ks, vs = _chunks((4,), 1, 3, 2, 2, seed=802)
+    yield Case("a single chunk of 4 in room for 6", (ks, vs, 6),
+               hint="return the filled prefix only: the unwritten positions are not part of "
+                    "the sequence")
+    ks, vs = _chunks((2, 2, 1), 2, 2, 5, 3, seed=803)
+    yield Case("values narrower than keys: D=5, Dv=3; B=2", (ks, vs, 7),
+               hint="the value buffer has the values' width Dv, the key buffer the keys' D")
+    ks, vs = _chunks((1, 1, 1, 1), 1, 2, 4, 4, seed=804)
+    yield Case("four single tokens, room for exactly 4", (ks, vs, 4),
+               hint="write token t at position t")
+    ks, vs = _chunks((2, 1), 1, 2, 4, 4, seed=805, dtype=torch.float64)
+    yield Case("float64 chunks", (ks, vs, 5),
+               hint="allocate the buffers in the chunks' dtype (and on their device)")
+
+
+def _fill_wrong(*, at=None, step=None, whole=False, only_new=False, dtype=None, views=True):
+    """A student's fill_cache with one mistake: ``at`` fixes where every chunk is written,
+    ``step`` the length a chunk adds, ``whole`` returns the whole buffers, ``only_new`` the new
+    chunk, ``dtype`` allocates the buffers in that dtype. ``views``: returns slices of the
+    buffers (which show every later write), as the solution does, else copies made at once."""
+    keep = (lambda t: t) if views else torch.clone
+    def fill(k_chunks, v_chunks, max_seq_len):
+        b, h, _, d = k_chunks[0].shape
+        dt = k_chunks[0].dtype if dtype is None else dtype
+        k_buf = torch.zeros(b, h, max_seq_len, d, dtype=dt)
+        v_buf = torch.zeros(b, h, max_seq_len, v_chunks[0].shape[-1], dtype=dt)
+        length, out = 0, []
+        for k, v in zip(k_chunks, v_chunks):
+            t = k.shape[2]
+            start = length if at is None else at
+            k_buf[:, :, start:start + t] = k
+            v_buf[:, :, start:start + t] = v
+            length += t if step is None else step
+            if only_new:
+                out.append((k, v))
+            elif whole:
+                out.append((keep(k_buf), keep(v_buf)))
+            else:
+                out.append((keep(k_buf[:, :, :length]), keep(v_buf[:, :, :length])))
+        return out
+    return fill
+
+
+register(Exercise(
+    key="ch08.fill_cache", function="fill_cache", reference=fill_cache_reference,
+    cases=_fill_cases, compare=expect_prefixes, banned=NO_GROWING,
+    mistakes=tuple(
+        Mistake(hint, _fill_wrong(views=views, **wrong))
+        for hint, wrong in (
+            ("you wrote every chunk at position 0: a new chunk goes after the ones already "
+             "cached, at the current length", dict(at=0)),
+            ("you returned the whole buffers: only the first `length` positions hold the "
+             "sequence; return that prefix", dict(whole=True)),
+            ("you moved the length on by one per chunk: a chunk of T_new tokens fills T_new "
+             "positions", dict(step=1)),
+            ("your buffers are float32 whatever the chunks are: allocate them in the chunks' "
+             "dtype", dict(dtype=torch.float32)))
+        for views in (True, False)) + (
+        Mistake("you returned only the new chunk: the attention of a step needs every key and "
+                "value so far, the cache's valid prefix", _fill_wrong(only_new=True)),
+    ),
+))
+
+
+# --- ch08.decode_step ----------------------------------------------------------------------------
+
+def rope_tables(p, d, base=10000.0, dtype=torch.float32):
+    """cos, sin of the angles m·θ_i for positions m = 0 .. p-1, (p, d/2), computed in float64."""
+    i = torch.arange(d // 2, dtype=torch.float64)
+    angles = torch.arange(p, dtype=torch.float64)[:, None] * base ** (-2.0 * i / d)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def decode_step_reference(q_new, k_new, v_new, k_past, v_past, cos, sin):
+    """(B, H, T_new, D) x3 (not rotated), cache (B, H, L, D) rotated and (B, H, L, Dv), tables
+    (P, D/2) -> (B, H, T_new, Dv)."""
+    start, t = k_past.shape[2], q_new.shape[2]
+    c, s = cos[start:start + t], sin[start:start + t]
+    k = torch.cat([k_past, apply_rotary_emb(k_new, c, s)], dim=2)
+    v = torch.cat([v_past, v_new], dim=2)
+    return scaled_dot_product_attention(apply_rotary_emb(q_new, c, s), k, v, is_causal=True)
+
+
+def _step_case(name, b, h, length, t_new, d, dv, extra, seed, hint, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed) if isinstance(seed, int) else seed
+    cos, sin = rope_tables(length + t_new + extra, d, dtype=dtype)
+    q, k = (randn(b, h, t_new, d, seed=g, dtype=dtype, scale=2.0) for _ in range(2))
+    v = randn(b, h, t_new, dv, seed=g, dtype=dtype)
+    k_past = apply_rotary_emb(randn(b, h, length, d, seed=g, dtype=dtype, scale=2.0),
+                              cos[:length], sin[:length])
+    v_past = randn(b, h, length, dv, seed=g, dtype=dtype)
+    return Case(name, (q, k, v, k_past, v_past, cos, sin), hint=hint)
+
+
+def _step_cases():
+    yield _step_case("one decode step: T_new=1 after L=6 cached; B=1, H=2, D=8", 1, 2, 6, 1, 8, 8,
+                     0, 810, "the new token sits at position L: rotate it there, and let it "
+                             "attend to all L + 1 keys")
+    yield _step_case("a chunk: T_new=3 after L=5, tables for 12 positions", 1, 2, 5, 3, 8, 8, 4,
+                     811, "query i of the chunk sits at position L + i and may see keys "
+                          "0 .. L + i")
+    yield _step_case("a prefill: an empty cache, L=0, T_new=4", 2, 2, 0, 4, 4, 4, 2, 812,
+                     "with nothing cached this is ordinary causal self-attention with RoPE "
+                     "from position 0")
+    yield _step_case("Dv=3, D=6, B=2, H=3: T_new=2 after L=3", 2, 3, 3, 2, 6, 3, 3, 813,
+                     "the output has the values' width Dv")
+    yield _step_case("float64: T_new=2 after L=9, tables for 16 positions", 1, 1, 9, 2, 4, 4, 5,
+                     814, "do not convert the inputs; let their dtype flow through",
+                     dtype=torch.float64)
+
+
+def _rope(x, cos, sin, start):
+    """As a student writes it: half-split RoPE at positions start .. start + T - 1."""
+    t, half = x.shape[2], x.shape[-1] // 2
+    c, s = cos[start:start + t], sin[start:start + t]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+
+
+def _attend(q, k, v, mask):
+    """softmax(q kᵀ / sqrt(D), keys outside ``mask`` removed) v, as a student writes it."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _step_wrong(*, q_at=None, k_at=None, rerotate=False, align="bottom_right", cache=True,
+                rotate_v=False, rotate_k=True, last_rows=False):
+    """decode_step with one mistake: ``q_at``/``k_at`` the start position of the new tokens'
+    rotation (None: L), ``rerotate`` rotates the cached keys again at 0 .. L-1, ``align`` of the
+    causal mask (None: no mask), ``cache=False`` ignores the cache, ``rotate_v`` rotates the
+    values too, ``rotate_k=False`` leaves the new keys unrotated, ``last_rows`` rotates with
+    the last T_new rows of the tables."""
+    def step(q_new, k_new, v_new, k_past, v_past, cos, sin):
+        length, t = k_past.shape[2], q_new.shape[2]
+        start = cos.shape[0] - t if last_rows else length
+        q = _rope(q_new, cos, sin, start if q_at is None else q_at)
+        k = _rope(k_new, cos, sin, start if k_at is None else k_at) if rotate_k else k_new
+        v = _rope(v_new, cos, sin, start) if rotate_v else v_new
+        if rerotate:
+            k_past = _rope(k_past, cos, sin, 0)
+        if cache:
+            k, v = torch.cat([k_past, k], dim=2), torch.cat([v_past, v], dim=2)
+        mask = None if align is None else causal_mask(t, k.shape[2], align=align)
+        return _attend(q, k, v, mask)
+    return step
+
+
+register(Exercise(
+    key="ch08.decode_step", function="decode_step", reference=decode_step_reference,
+    cases=_step_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
+    mistakes=(
+        Mistake("your causal mask is aligned top-left (PyTorch's is_causal): the new queries are "
+                "the LAST T_new positions, so query i sits at L + i, not at i",
+                _step_wrong(align="top_left")),
+        Mistake("you rotated the new tokens at positions 0 .. T_new-1: they come after the L "
+                "cached tokens, so RoPE must start at position L", _step_wrong(q_at=0, k_at=0)),
+        Mistake("you rotated the new queries at 0 instead of L: a query's position is the "
+                "token's position in the whole sequence", _step_wrong(q_at=0)),
+        Mistake("you rotated the new keys at 0 instead of L: they are stored at positions "
+                "L .. L + T_new - 1 and must be rotated there", _step_wrong(k_at=0)),
+        Mistake("you rotated the cached keys again: they were rotated when they were written, "
+                "at their own positions", _step_wrong(rerotate=True)),
+        Mistake("you attended to the new keys only: the queries must see the cached keys and "
+                "values too", _step_wrong(cache=False)),
+        Mistake("you left out the causal mask: within a chunk, a new token may not see the new "
+                "tokens after it", _step_wrong(align=None)),
+        Mistake("you rotated the values: RoPE turns only the queries and the keys",
+                _step_wrong(rotate_v=True)),
+        Mistake("you did not rotate the new keys: RoPE turns the keys as well as the queries",
+                _step_wrong(rotate_k=False)),
+        Mistake("you took the last rows of cos and sin: the tables cover positions 0 .. P-1, "
+                "which can be more than the sequence so far; index them by position",
+                _step_wrong(last_rows=True)),
+    ),
+))
+
+
+# --- ch08.decode_savings: count the work with and without a cache --------------------------------
+
+# GPT-2 small (Radford et al. 2019, the released configuration): 12 layers, width 768, a
+# vocabulary of 50257 tokens, an MLP of width 4 · 768. These are inputs, not measurements.
+GPT2_SMALL = {"L": 12, "C": 768, "V": 50257}
+SAVING_SIZES = {"T": 1024, "P": 512, "N": 256}
+
+SAVING_QUESTIONS = {
+    "step_no_cache": (
+        "(a) one step without the cache, T=1024",
+        "without the cache the step runs all T tokens: every token costs its projections, MLP "
+        "and LM head, and each layer's attention compares T queries with T keys, twice"),
+    "step_cache": (
+        "(b) one step with the cache, T=1024",
+        "with the cache one new token goes through the model, and its query meets T keys"),
+    "generate_no_cache": (
+        "(c) a whole generation without the cache, P=512, N=256",
+        "add up one full forward pass per new token: count the tokens the first and the last "
+        "pass see"),
+    "generate_cache": (
+        "(d) a whole generation with the cache, P=512, N=256",
+        "a prefill of the prompt gives the first new token; then single-token steps, each "
+        "against one key more than the one before"),
+}
+
+
+def _macs(tq, tk, L, C, V, mlp=True, head=True, products=2):
+    per_token = L * (4 + (8 if mlp else 0)) * C * C + (C * V if head else 0)
+    return tq * per_token + L * products * tq * tk * C
+
+
+def _savings(**rule):
+    L, C, V = GPT2_SMALL["L"], GPT2_SMALL["C"], GPT2_SMALL["V"]
+    T, P, N = SAVING_SIZES["T"], SAVING_SIZES["P"], SAVING_SIZES["N"]
+
+    def m(tq, tk):
+        return _macs(tq, tk, L, C, V, **rule)
+    return {"step_no_cache": m(T, T), "step_cache": m(1, T),
+            "generate_no_cache": sum(m(t, t) for t in range(P, P + N)),
+            "generate_cache": m(P, P) + sum(m(1, t) for t in range(P + 1, P + N))}
+
+
+def decode_savings_reference():
+    """The four counts, from M(Tq, Tk) = Tq·(L·12·C² + C·V) + L·2·Tq·Tk·C."""
+    return _savings()
+
+
+def _count_off_by(key, actual, expected) -> str:
+    got = as_number(actual)
+    if got is None:
+        return f"{key!r} should be a number, got {type(actual).__name__}"
+    return f"your {key!r} is {got / expected:.4g} times the right count"
+
+
+SAVINGS = Questions(SAVING_QUESTIONS, same=lambda key, actual, expected: (
+    as_number(actual) is not None and math.isclose(as_number(actual), expected, rel_tol=1e-9)),
+    wrong=_count_off_by)
+
+
+def _answering(**wrong):
+    """A typical wrong answer: the right counts with these ones changed."""
+    return lambda: {**decode_savings_reference(), **wrong}
+
+
+def _off_by_one(no_cache_range=None, cached=None):
+    L, C, V = GPT2_SMALL["L"], GPT2_SMALL["C"], GPT2_SMALL["V"]
+    P, N = SAVING_SIZES["P"], SAVING_SIZES["N"]
+
+    def m(tq, tk):
+        return _macs(tq, tk, L, C, V)
+    if no_cache_range is not None:
+        return _answering(generate_no_cache=sum(m(t, t) for t in no_cache_range(P, N)))
+    return _answering(generate_cache=cached(m, P, N))
+
+
+register(Exercise(
+    key="ch08.decode_savings", function="decode_savings", reference=decode_savings_reference,
+    cases=SAVINGS.cases, compare=SAVINGS.compare, banned=("course_attn",),
+    mistakes=(
+        Mistake("you counted 2 FLOPs per multiply-add: the question asks for multiply-adds",
+                lambda: {k: 2 * v for k, v in decode_savings_reference().items()}),
+        Mistake("you left out the LM head: every token that goes through the model also meets "
+                "the (C, V) output matrix", lambda: _savings(head=False)),
+        Mistake("you left out the MLP: each layer's feed-forward network costs more than its "
+                "attention projections", lambda: _savings(mlp=False)),
+        Mistake("you counted only the scores q kᵀ: the weighted sum of the values is a second "
+                "product of the same size", lambda: _savings(products=1)),
+        Mistake("a cached step still runs its new token through every projection, MLP and the "
+                "LM head: you counted only its attention",
+                _answering(step_cache=2 * 12 * 1024 * 768)),
+        Mistake("your first uncached pass or your last one is off by one: the first sees the P "
+                "prompt tokens, the last P + N - 1 (the last new token is never fed back)",
+                _off_by_one(no_cache_range=lambda P, N: range(P + 1, P + N + 1))),
+        Mistake("you left out the prefill: the cached generation first runs the whole prompt, "
+                "which gives the first new token",
+                _off_by_one(cached=lambda m, P, N: sum(m(1, t) for t in range(P + 1, P + N)))),
+        Mistake("you counted N single-token steps after the prefill: the prefill already gives "
+                "the first new token, so N - 1 steps follow",
+                _off_by_one(cached=lambda m, P, N: m(P, P) + sum(m(1, t) for t in
+                                                                  range(P + 1, P + N + 1)))),
+    ),
+))

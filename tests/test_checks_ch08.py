@@ -1,0 +1,325 @@
+"""Chapter 8's exercises: each typical mistake fails the case meant for it with its own hint, and a
+banned call is reported by name. What every exercise must satisfy (the reference and the
+solution pass public and hidden cases, a stub is "not answered yet", every declared mistake
+names itself) is tested once, for all chapters, in test_exercises_conformance.py.
+
+The wrong solutions below are written as a student would write them; each test names the case
+it must fail and a fragment of the hint it must get.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+import course_attn
+from course_attn.grading import get, run_exercise
+from course_attn.grading.ch08 import GPT2_SMALL, SAVING_SIZES, _macs, rope_tables
+from course_attn.grading.exercise import hidden_cases, load_hidden
+from course_attn.model import GPT, GPTConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+from check_support import assert_banned, assert_fails, results  # noqa: E402
+
+load_hidden(Path(__file__).resolve().parents[1] / "solutions")
+
+FILL, STEP, SAVINGS = "ch08.fill_cache", "ch08.decode_step", "ch08.decode_savings"
+
+
+# --- solutions as in solutions/08_kv_cache.ipynb ------------------------------------------------
+
+def rotate(x, cos, sin):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def fill_cache(k_chunks, v_chunks, max_seq_len, *, at=None, step=None, whole=False,
+               grow=False):
+    """The solution; the keywords make it one typical mistake or another."""
+    b, h, _, d = k_chunks[0].shape
+    k_cache = k_chunks[0].new_zeros(b, h, max_seq_len, d)
+    v_cache = v_chunks[0].new_zeros(b, h, max_seq_len, v_chunks[0].shape[-1])
+    length, prefixes = 0, []
+    for k_new, v_new in zip(k_chunks, v_chunks):
+        if grow:
+            k_cache = k_new if length == 0 else torch.cat([k_cache[:, :, :length], k_new], 2)
+            v_cache = v_new if length == 0 else torch.cat([v_cache[:, :, :length], v_new], 2)
+            length += k_new.shape[2]
+            prefixes.append((k_cache, v_cache))
+            continue
+        start = length if at is None else at
+        k_cache[:, :, start:start + k_new.shape[2]] = k_new
+        v_cache[:, :, start:start + k_new.shape[2]] = v_new
+        length += k_new.shape[2] if step is None else step
+        prefixes.append((k_cache, v_cache) if whole else
+                        (k_cache[:, :, :length], v_cache[:, :, :length]))
+    return prefixes
+
+
+def decode_step(q_new, k_new, v_new, k_past, v_past, cos, sin, *, offset=True,
+                is_causal="bottom_right", use_cache=True):
+    """The solution; the keywords make it one typical mistake or another."""
+    start, t_new = k_past.shape[2], q_new.shape[2]
+    at = start if offset else 0
+    c, s = cos[at:at + t_new], sin[at:at + t_new]
+    q, k, v = rotate(q_new, c, s), rotate(k_new, c, s), v_new
+    if use_cache:
+        k, v = torch.cat([k_past, k], dim=2), torch.cat([v_past, v], dim=2)
+    t_k = k.shape[2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if is_causal:
+        diagonal = t_k - t_new if is_causal == "bottom_right" else 0
+        allowed = torch.ones(t_new, t_k, dtype=torch.bool).tril(diagonal)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def decode_savings():
+    L, C, V = 12, 768, 50257
+    per_token = L * 12 * C * C + C * V
+
+    def forward(tq, tk):
+        return tq * per_token + L * 2 * tq * tk * C
+    T, P, N = 1024, 512, 256
+    return {"step_no_cache": forward(T, T), "step_cache": forward(1, T),
+            "generate_no_cache": sum(forward(t, t) for t in range(P, P + N)),
+            "generate_cache": forward(P, P) + sum(forward(1, t) for t in range(P + 1, P + N))}
+
+
+@pytest.mark.parametrize("key, fn", [(FILL, fill_cache), (STEP, decode_step),
+                                     (SAVINGS, decode_savings)])
+def test_the_notebooks_solutions_pass_with_the_watch_on(key, fn):
+    for cases in [None] + [hidden_cases(key, seed) or None for seed in range(5)]:
+        judgement = run_exercise(get(key), fn, cases)
+        assert judgement.passed, (judgement.banned, [(r.name, r.message) for r in
+                                                     judgement.results if not r.passed])
+
+
+# --- fill_cache ----------------------------------------------------------------------------------
+
+def test_the_fill_cache_reference_is_what_kv_cache_holds():
+    ks = [torch.randn(2, 3, t, 4) for t in (3, 1, 2)]
+    vs = [torch.randn(2, 3, t, 5) for t in (3, 1, 2)]
+    prefixes = get(FILL).reference(ks, vs, 8)
+    assert [k.shape[2] for k, _ in prefixes] == [3, 4, 6]
+    assert torch.equal(prefixes[-1][0], torch.cat(ks, dim=2))
+    assert torch.equal(prefixes[-1][1], torch.cat(vs, dim=2))
+    assert torch.equal(prefixes[1][0], torch.cat(ks[:2], dim=2))
+
+
+def test_fill_cache_mistakes():
+    first = "a prompt of 3, then two single tokens; B=1, H=2, D=4, room for 8"
+    assert_fails(FILL, lambda k, v, n: fill_cache(k, v, n, at=0), first, hint="at position 0")
+    assert_fails(FILL, lambda k, v, n: fill_cache(k, v, n, whole=True), first,
+                 hint="the whole buffers", message="has shape")
+    assert_fails(FILL, lambda k, v, n: fill_cache(k, v, n, step=1), first,
+                 hint="by one per chunk")
+    assert_fails(FILL, lambda k, v, n: [(k_new, v_new) for k_new, v_new in zip(k, v)], first,
+                 hint="only the new chunk")
+
+    def float32_buffers(k_chunks, v_chunks, max_seq_len):
+        return fill_cache([k.float() for k in k_chunks], [v.float() for v in v_chunks],
+                          max_seq_len)
+    assert_fails(FILL, float32_buffers, "float64 chunks", hint="float32 whatever")
+    # the returned value must be a list of pairs
+    assert_fails(FILL, lambda k, v, n: fill_cache(k, v, n)[-1], first,
+                 message="entries, one per chunk")
+
+
+def test_fill_cache_may_not_grow_a_tensor_or_call_the_package():
+    assert_banned(FILL, lambda k, v, n: fill_cache(k, v, n, grow=True), "torch.cat")
+
+    def stacked(k_chunks, v_chunks, max_seq_len):
+        out = fill_cache(k_chunks, v_chunks, max_seq_len)
+        return [(torch.stack([k])[0], v) for k, v in out]
+    assert_banned(FILL, stacked, "torch.stack")
+
+    def padded(k_chunks, v_chunks, max_seq_len):
+        out = fill_cache(k_chunks, v_chunks, max_seq_len)
+        return [(F.pad(k, (0, 0)), v) for k, v in out]
+    assert_banned(FILL, padded, "torch.nn.functional.pad")
+
+    def with_the_package(k_chunks, v_chunks, max_seq_len):
+        b, h, _, d = k_chunks[0].shape
+        cache = course_attn.KVCache(b, h, max_seq_len, d, value_dim=v_chunks[0].shape[-1],
+                                    dtype=k_chunks[0].dtype)
+        return [cache.update(k, v) for k, v in zip(k_chunks, v_chunks)]
+    assert_banned(FILL, with_the_package, "course_attn")
+
+
+# --- decode_step ---------------------------------------------------------------------------------
+
+DECODE = "one decode step: T_new=1 after L=6 cached; B=1, H=2, D=8"
+CHUNK = "a chunk: T_new=3 after L=5, tables for 12 positions"
+
+
+def test_the_decode_step_reference_is_the_last_rows_of_the_full_forward():
+    """Rotating every position and attending causally over the whole sequence, then keeping the
+    last T_new rows, is what one cached step must give."""
+    g = torch.Generator().manual_seed(0)
+    length, t_new, d = 5, 3, 8
+    q, k, v = (torch.randn(1, 2, length + t_new, d, generator=g) for _ in range(3))
+    cos, sin = rope_tables(12, d)
+    c, s = cos[:length + t_new], sin[:length + t_new]
+    full = course_attn.scaled_dot_product_attention(
+        course_attn.apply_rotary_emb(q, c, s), course_attn.apply_rotary_emb(k, c, s), v,
+        is_causal=True)
+    k_past = course_attn.apply_rotary_emb(k[:, :, :length], cos[:length], sin[:length])
+    out = get(STEP).reference(q[:, :, length:], k[:, :, length:], v[:, :, length:], k_past,
+                              v[:, :, :length], cos, sin)
+    torch.testing.assert_close(out, full[:, :, length:])
+    torch.testing.assert_close(decode_step(q[:, :, length:], k[:, :, length:], v[:, :, length:],
+                                           k_past, v[:, :, :length], cos, sin),
+                               full[:, :, length:])
+
+
+def test_the_decode_step_reference_is_what_multi_head_attention_does_with_a_cache():
+    torch.manual_seed(1)
+    mha = course_attn.MultiHeadAttention(16, 2, rope=True).eval()
+    x = torch.randn(1, 9, 16)
+    cache = mha.new_cache(1, 9)
+    with torch.no_grad():
+        mha(x[:, :6], cache=cache)
+        k_past, v_past = cache.k[:, :, :6].clone(), cache.v[:, :, :6].clone()
+        # the new tokens' heads, not rotated (decode_step rotates them)
+        q, k, v = (p(x[:, 6:]).view(1, 3, 2, 8).transpose(1, 2)
+                   for p in (mha.q_proj, mha.k_proj, mha.v_proj))
+        cos, sin = mha.rotary(torch.arange(9))
+        out = get(STEP).reference(q, k, v, k_past, v_past, cos, sin)       # (1, 2, 3, 8)
+        expected = mha(x[:, 6:], cache=cache)
+    torch.testing.assert_close(mha.out_proj(out.transpose(1, 2).reshape(1, 3, 16)), expected)
+
+
+def test_decode_step_mistakes():
+    assert_fails(STEP, lambda *a: decode_step(*a, is_causal="top_left"), CHUNK,
+                 hint="aligned top-left")
+    assert_fails(STEP, lambda *a: decode_step(*a, is_causal="top_left"), DECODE,
+                 hint="aligned top-left")
+    assert_fails(STEP, lambda *a: decode_step(*a, offset=False), DECODE,
+                 hint="at positions 0 .. T_new-1")
+    assert_fails(STEP, lambda *a: decode_step(*a, use_cache=False), DECODE,
+                 hint="new keys only")
+    assert_fails(STEP, lambda *a: decode_step(*a, is_causal=False), CHUNK,
+                 hint="left out the causal mask")
+    assert_fails(STEP, lambda *a: decode_step(*a, is_causal=False),
+                 "a prefill: an empty cache, L=0, T_new=4", hint="left out the causal mask")
+
+    def rotated_again(q, k, v, k_past, v_past, cos, sin):
+        length = k_past.shape[2]
+        return decode_step(q, k, v, rotate(k_past, cos[:length], sin[:length]), v_past, cos, sin)
+    assert_fails(STEP, rotated_again, DECODE, hint="cached keys again")
+
+    def last_rows(q, k, v, k_past, v_past, cos, sin):
+        t = q.shape[2]
+        return decode_step(q, k, v, k_past, v_past, cos[-t - k_past.shape[2]:],
+                           sin[-t - k_past.shape[2]:])
+    assert_fails(STEP, last_rows, CHUNK, hint="last rows of cos and sin")
+
+    def no_key_rotation(q, k, v, k_past, v_past, cos, sin):
+        start, t = k_past.shape[2], q.shape[2]
+        q = rotate(q, cos[start:start + t], sin[start:start + t])
+        k, v = torch.cat([k_past, k], dim=2), torch.cat([v_past, v], dim=2)
+        allowed = torch.ones(t, k.shape[2], dtype=torch.bool).tril(k.shape[2] - t)
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(
+            ~allowed, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+    assert_fails(STEP, no_key_rotation, CHUNK, hint="did not rotate the new keys")
+
+
+def test_a_single_decode_step_needs_no_mask():
+    """For T_new = 1 the bottom-right mask allows every key: leaving it out is no mistake."""
+    found = results(STEP, lambda *a: decode_step(*a, is_causal=False))
+    assert found[DECODE].passed and not found[CHUNK].passed
+
+
+def test_decode_step_may_not_call_a_library_attention():
+    def with_sdpa(q, k, v, k_past, v_past, cos, sin):
+        start, t = k_past.shape[2], q.shape[2]
+        c, s = cos[start:start + t], sin[start:start + t]
+        k = torch.cat([k_past, rotate(k, c, s)], dim=2)
+        mask = torch.ones(t, k.shape[2], dtype=torch.bool).tril(k.shape[2] - t)
+        return F.scaled_dot_product_attention(rotate(q, c, s), k, torch.cat([v_past, v], 2),
+                                              attn_mask=mask)
+    assert_banned(STEP, with_sdpa, "torch.nn.functional.scaled_dot_product_attention")
+    assert_banned(STEP, get(STEP).reference, "course_attn")
+
+
+# --- decode_savings ------------------------------------------------------------------------------
+
+def test_the_counts_are_what_flop_counter_mode_counts():
+    """The formula behind the reference, checked on a small GPT with FlopCounterMode (2 FLOPs
+    per multiply-add) for an uncached and a cached step."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=37, seq_len=64, d_model=32, n_heads=4, n_layers=3,
+                       position="rope")
+    model = GPT(config).eval()
+    idx = torch.randint(37, (1, 20))
+    args = dict(L=3, C=32, V=37)
+    with torch.no_grad():
+        with FlopCounterMode(display=False) as flops:
+            model(idx)
+        assert flops.get_total_flops() == 2 * _macs(20, 20, **args)
+        caches = model.new_caches(1, 21)
+        model(idx, caches=caches)
+        with FlopCounterMode(display=False) as flops:
+            model(idx[:, :1], caches=caches)
+        assert flops.get_total_flops() == 2 * _macs(1, 21, **args)
+    assert GPT2_SMALL == {"L": 12, "C": 768, "V": 50257} and SAVING_SIZES["P"] + \
+        SAVING_SIZES["N"] <= 1024                      # within GPT-2's context
+
+
+def test_decode_savings_mistakes():
+    a, b, c, d = (case.name for case in get(SAVINGS).public_cases())
+
+    def answering(**wrong):
+        return lambda: {**decode_savings(), **wrong}
+    right = decode_savings()
+    assert_fails(SAVINGS, lambda: {k: 2 * v for k, v in right.items()}, a,
+                 hint="2 FLOPs per multiply-add", message="2 times the right count")
+    L, C, V, T = 12, 768, 50257, 1024
+
+    def counting(per_token, products=2):
+        def forward(tq, tk):
+            return tq * per_token + L * products * tq * tk * C
+        P, N = 512, 256
+        return lambda: {"step_no_cache": forward(T, T), "step_cache": forward(1, T),
+                        "generate_no_cache": sum(forward(t, t) for t in range(P, P + N)),
+                        "generate_cache": forward(P, P) + sum(forward(1, t)
+                                                              for t in range(P + 1, P + N))}
+    assert_fails(SAVINGS, counting(L * 12 * C * C), a, hint="the (C, V) output matrix")
+    assert_fails(SAVINGS, counting(L * 4 * C * C + C * V), b, hint="left out the MLP")
+    assert_fails(SAVINGS, counting(L * 12 * C * C + C * V, products=1), c,
+                 hint="only the scores")
+    assert_fails(SAVINGS, answering(step_cache=L * 2 * T * C), b, hint="only its attention")
+    P, N = 512, 256
+
+    def forward(tq, tk):
+        return tq * (L * 12 * C * C + C * V) + L * 2 * tq * tk * C
+    assert_fails(SAVINGS, answering(generate_no_cache=sum(forward(t, t)
+                                                          for t in range(P + 1, P + N + 1))),
+                 c, hint="off by one")
+    assert_fails(SAVINGS, answering(generate_cache=sum(forward(1, t)
+                                                       for t in range(P + 1, P + N))),
+                 d, hint="left out the prefill")
+    assert_fails(SAVINGS, answering(generate_cache=forward(P, P) + sum(
+        forward(1, t) for t in range(P + 1, P + N + 1))), d, hint="N - 1 steps follow")
+    assert_fails(SAVINGS, lambda: [1, 2, 3, 4], a, message="should return a dict")
+
+
+def test_decode_savings_never_shows_the_right_answer():
+    right = decode_savings()
+    for result in run_exercise(get(SAVINGS), lambda: {k: 12345 for k in right}).results:
+        assert not result.passed and "times the right count" in result.message
+        for value in right.values():
+            assert str(value) not in result.message and f"{value:,}" not in result.message
+
+
+def test_decode_savings_may_not_call_the_package():
+    def with_the_package():
+        course_attn.causal_mask(2)
+        return decode_savings()
+    assert_banned(SAVINGS, with_the_package, "course_attn")
