@@ -12,7 +12,8 @@ changed.
 
 With a KV cache per layer (``model.new_caches``), ``model(idx, caches=caches)`` takes only the
 new tokens and attends to everything cached before them: ``generate`` prefills the prompt once,
-then feeds one token per step (chapter 8).
+then feeds one token per step (chapter 8). A model with a ``window`` may keep a rolling cache per
+layer instead (``model.new_rolling_caches``, chapter 11): fixed memory, however long the sequence.
 """
 
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .kv_cache import KVCache
+from .local import RollingKVCache
 from .multihead import MultiHeadAttention
 
 __all__ = ["GPT", "GPTConfig", "generate", "queries_keys_values"]
@@ -93,7 +95,7 @@ class Block(nn.Module):
             self.mlp = None
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None,
-                cache: KVCache | None = None, return_weights: bool = False
+                cache: KVCache | RollingKVCache | None = None, return_weights: bool = False
                 ) -> tuple[Tensor, Tensor | None]:
         """x: (B, T, C) -> (x: (B, T, C), attention weights (B, H, T, S) or None).
 
@@ -140,15 +142,26 @@ class GPT(nn.Module):
         return [block.attn.new_cache(batch_size, max_seq_len, dtype=dtype, device=device)
                 for block in self.blocks]
 
-    def forward(self, idx: Tensor, *, caches: list[KVCache] | None = None,
+    def new_rolling_caches(self, batch_size: int, *, sinks: int = 0,
+                           dtype: torch.dtype | None = None, device=None) -> list[RollingKVCache]:
+        """One empty ``RollingKVCache`` per layer, each (B, Hkv, sinks + window, D), for a model
+        with ``config.window``: the last ``window`` tokens and the first ``sinks`` (attention
+        sinks, StreamingLLM), whatever the length. With RoPE, decoding may then run past
+        ``seq_len`` for ever in fixed memory. ``dtype`` and ``device`` default to the weights'.
+        """
+        return [block.attn.new_rolling_cache(batch_size, sinks=sinks, dtype=dtype, device=device)
+                for block in self.blocks]
+
+    def forward(self, idx: Tensor, *, caches: list[KVCache | RollingKVCache] | None = None,
                 return_attention: bool = False) -> Tensor | tuple[Tensor, list[Tensor]]:
         """idx: (B, T) long -> logits (B, T, V); with ``return_attention`` also, for each layer,
         its attention weights (B, H, T, S).
 
         ``caches`` (one ``KVCache`` per layer, from ``new_caches``): idx holds the next T tokens
         of sequences whose first len(caches[0]) tokens are cached; they sit at positions
-        len .. len + T - 1, their keys and values are appended, and S = len + T. Without
-        caches, S = T and the tokens sit at 0 .. T - 1.
+        len .. len + T - 1, their keys and values are appended, and S = len + T. Rolling caches
+        (``new_rolling_caches``) work the same way, S being then what they hold. Without caches,
+        S = T and the tokens sit at 0 .. T - 1.
         """
         if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.dtype != torch.long:
             raise ValueError("idx must be a (B, T) torch.long tensor, got "
@@ -157,9 +170,10 @@ class GPT(nn.Module):
         start = 0
         if caches is not None:
             if (not isinstance(caches, (list, tuple)) or len(caches) != len(self.blocks)
-                    or not all(isinstance(c, KVCache) for c in caches)):
-                raise ValueError(f"caches must be a list of {len(self.blocks)} KVCache (one per "
-                                 "layer, from model.new_caches)")
+                    or not all(isinstance(c, (KVCache, RollingKVCache)) for c in caches)):
+                raise ValueError(f"caches must be a list of {len(self.blocks)} KVCache or "
+                                 "RollingKVCache (one per layer, from model.new_caches or "
+                                 "model.new_rolling_caches)")
             if len({len(c) for c in caches}) != 1:
                 raise ValueError(f"the layers' caches hold different lengths "
                                  f"{[len(c) for c in caches]}; reset them together")
@@ -232,7 +246,8 @@ def _prefill(model: GPT, idx: Tensor, caches: list[KVCache], chunk: int | None) 
 
 def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, generator: torch.Generator | None = None,
-             use_cache: bool = True, prefill_chunk: int | None = None) -> Tensor:
+             use_cache: bool = True, prefill_chunk: int | None = None, rolling: bool = False,
+             sinks: int = 0) -> Tensor:
     """Extend idx (B, T) by ``max_new_tokens`` sampled tokens -> (B, T + max_new_tokens).
 
     Each new token is drawn from softmax(logits / temperature) of the model's last position,
@@ -246,6 +261,12 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float
     at each step, so nothing cached stays valid: each step then prefills the last ``seq_len``
     tokens afresh. ``use_cache=False`` runs the whole sequence at every step. Both give the same
     logits, up to float rounding, so greedy decoding gives the same tokens.
+
+    ``rolling=True`` (a model with a ``window``): one ``RollingKVCache`` per layer, keeping the
+    last ``window`` tokens and the first ``sinks`` (attention sinks). The whole prompt is
+    prefilled and nothing restarts: every token stays at its own position, memory stays fixed,
+    and with RoPE the sequence may grow past ``seq_len`` (learned positions: ValueError). With
+    ``sinks=0`` this gives the tokens of the full cache with the window mask.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -256,17 +277,32 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool)
                                       or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+    if sinks and not rolling:
+        raise ValueError(f"sinks={sinks} are kept by a rolling cache: pass rolling=True too")
+    if rolling and not use_cache:
+        raise ValueError("rolling=True asks for a rolling KV cache, but use_cache=False")
+    if rolling:
+        if model.config.window is None:
+            raise ValueError("rolling=True needs a model with a window (config.window); this "
+                             "one attends to every earlier token")
+        end = idx.shape[1] + max_new_tokens - 1
+        if model.config.position == "learned" and end > model.config.seq_len:
+            raise ValueError(f"learned positions stop at seq_len={model.config.seq_len}, but "
+                             f"rolling=True keeps every token at its own position, up to "
+                             f"{end - 1}: use position='rope', or rolling=False")
     # inference mode: no autograd bookkeeping at all, which is most of a small decode step's
     # cost; the clone makes the result an ordinary tensor, usable in training afterwards
     with torch.inference_mode():
         out = _generate(model, idx, max_new_tokens, temperature, top_k, generator, use_cache,
-                        prefill_chunk)
+                        prefill_chunk, sinks if rolling else None)
     return out.clone()
 
 
 def _generate(model, idx, max_new_tokens, temperature, top_k, generator, use_cache,
-              prefill_chunk) -> Tensor:
-    """``generate``'s loop, its arguments checked."""
+              prefill_chunk, rolling_sinks) -> Tensor:
+    """``generate``'s loop, its arguments checked; ``rolling_sinks`` is None for full caches."""
     context = model.config.seq_len
     if not use_cache:
         for _ in range(max_new_tokens):
@@ -275,11 +311,16 @@ def _generate(model, idx, max_new_tokens, temperature, top_k, generator, use_cac
         return idx
     if max_new_tokens == 0:
         return idx
-    capacity = min(idx.shape[1] + max_new_tokens - 1, context)
-    caches = model.new_caches(idx.shape[0], capacity, device=idx.device)
-    pending = idx[:, -context:]                       # tokens whose keys are not cached yet
+    if rolling_sinks is not None:         # fixed memory, every token at its own position
+        caches = model.new_rolling_caches(idx.shape[0], sinks=rolling_sinks, device=idx.device)
+        pending = idx
+    else:
+        capacity = min(idx.shape[1] + max_new_tokens - 1, context)
+        caches = model.new_caches(idx.shape[0], capacity, device=idx.device)
+        pending = idx[:, -context:]                   # tokens whose keys are not cached yet
     for _ in range(max_new_tokens):
-        if len(caches[0]) + pending.shape[1] > context:   # the window slides: start afresh
+        if rolling_sinks is None and len(caches[0]) + pending.shape[1] > context:
+            # the model's context slides: start afresh
             for cache in caches:
                 cache.reset()
             pending = idx[:, -context:]

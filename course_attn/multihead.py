@@ -9,7 +9,8 @@ With ``n_kv_heads < n_heads`` (grouped-query attention), Wk and Wv make only ``n
 heads and each serves ``n_heads // n_kv_heads`` query heads. RoPE (``rope.py``), QK-norm
 (``norm.py``), a sliding window, dropout on the weights and cross-attention are options of the
 one module, applied to the heads between the split and the attention. With a ``KVCache``
-(chapter 8) the new keys and values are appended to the cache and the queries attend to all of it.
+(chapter 8) the new keys and values are appended to the cache and the queries attend to all of it;
+with a windowed module, a ``RollingKVCache`` (chapter 11) keeps only the last ``window`` of them.
 """
 
 import torch
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 from .attention import attention_weights, repeat_kv
 from .backends import get_backend
 from .kv_cache import KVCache
+from .local import RollingKVCache
 from .masks import check_window
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, apply_rotary_emb
@@ -167,9 +169,23 @@ class MultiHeadAttention(nn.Module):
                        dtype=weight.dtype if dtype is None else dtype,
                        device=weight.device if device is None else device)
 
+    def new_rolling_cache(self, batch_size: int, *, sinks: int = 0,
+                          dtype: torch.dtype | None = None, device=None) -> RollingKVCache:
+        """An empty ``RollingKVCache`` of this module's window: (B, Hkv, sinks + window, D).
+
+        Only for a module with a ``window``; ``dtype`` and ``device`` default to the weights'."""
+        if self.window is None:
+            raise ValueError("a rolling cache keeps only the last `window` tokens, but this module "
+                             "has window=None (it attends to every earlier token): use new_cache")
+        weight = self.k_proj.weight
+        return RollingKVCache(batch_size, self.n_kv_heads, self.window, self.head_dim,
+                              sinks=sinks, dtype=weight.dtype if dtype is None else dtype,
+                              device=weight.device if device is None else device)
+
     def forward(self, x: Tensor, *, context: Tensor | None = None,
                 attn_mask: Tensor | None = None, is_causal: bool | None = None,
-                positions: Tensor | None = None, cache: KVCache | None = None,
+                positions: Tensor | None = None,
+                cache: KVCache | RollingKVCache | None = None,
                 return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """x: (B, T, C) -> (B, T, C); with ``return_weights``, also the weights (B, H, T, S).
 
@@ -183,13 +199,21 @@ class MultiHeadAttention(nn.Module):
         the queries attend to every cached key, S = len(cache) after the update. x's tokens are
         then the last T of the sequence: RoPE positions default to len(cache) .. len(cache)+T-1
         (read before the update) and the causal mask is aligned bottom-right.
+
+        A ``RollingKVCache`` (``new_rolling_cache``; for a module with a ``window`` no larger
+        than the cache's, causal, without ``attn_mask``) returns its keys in its own order, so
+        the mask comes from its key positions (``RollingKVCache.visible``): the window, plus the
+        cache's attention sinks when it keeps some.
         """
         if cache is not None:
             if context is not None:
                 raise ValueError("cache is for self-attention; cross-attention's keys come from "
                                  "context, which does not grow")
-            if not isinstance(cache, KVCache):
-                raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
+            if not isinstance(cache, (KVCache, RollingKVCache)):
+                raise ValueError(f"cache must be a KVCache, got {type(cache).__name__} (or a "
+                                 "RollingKVCache, for a module with a window)")
+            if isinstance(cache, RollingKVCache):
+                self._check_rolling(cache, attn_mask, is_causal)
             if cache.n_kv_heads != self.n_kv_heads or cache.head_dim != self.head_dim:
                 raise ValueError(f"the cache holds n_kv_heads={cache.n_kv_heads} heads of "
                                  f"head_dim={cache.head_dim}, this module makes "
@@ -201,8 +225,14 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.update(k, v)                                          # (B, Hkv, S, D)
         if is_causal is None:
             is_causal = context is None
+        window = self.window
+        # a rolling cache's keys are in slot order after a one-token step, and its sinks lie
+        # outside the window: then the mask comes from the cache. Otherwise (a prefill without
+        # sinks) its keys are consecutive positions ending at the newest token, as with KVCache.
+        if isinstance(cache, RollingKVCache) and (q.shape[2] == 1 or cache.sinks):
+            attn_mask, is_causal, window = cache.visible(self.window), False, None
         options = dict(attn_mask=attn_mask, is_causal=is_causal, scale=self.scale,
-                       enable_gqa=self.n_kv_heads != self.n_heads, window=self.window)
+                       enable_gqa=self.n_kv_heads != self.n_heads, window=window)
         if self.training and self.dropout > 0:
             weights = attention_weights(q, k, **options)                      # (B, H, T, S)
             v = repeat_kv(v, self.n_heads // self.n_kv_heads)
@@ -213,6 +243,19 @@ class MultiHeadAttention(nn.Module):
         if return_weights:
             return out, attention_weights(q, k, **options)
         return out
+
+    def _check_rolling(self, cache: RollingKVCache, attn_mask, is_causal) -> None:
+        if self.window is None:
+            raise ValueError(f"a RollingKVCache keeps only the last {cache.window} tokens, but "
+                             "this module has window=None (it attends to every earlier token): "
+                             "use a KVCache")
+        if cache.window < self.window:
+            raise ValueError(f"a RollingKVCache of window={cache.window} keeps too few tokens for "
+                             f"this module's window={self.window}: use one of window >= "
+                             f"{self.window} (new_rolling_cache), or a KVCache")
+        if attn_mask is not None or is_causal is False:
+            raise ValueError("a RollingKVCache serves causal self-attention without attn_mask: "
+                             "the keys it returns are not in time order")
 
     def extra_repr(self) -> str:
         options = [f"d_model={self.d_model}", f"n_heads={self.n_heads}",
