@@ -57,6 +57,7 @@ from torch import Tensor
 
 from .backends import BACKENDS, get_backend
 from .device import default_device
+from .linear import FEATURE_MAPS
 from .masks import check_window
 
 PROG = "python -m course_attn.bench"
@@ -483,6 +484,20 @@ def _parser() -> argparse.ArgumentParser:
                         help="cached lengths at which one append is timed (default: 512 16384)")
     decode.add_argument("--model-backend", choices=sorted(BACKENDS), default="math",
                         help="the attention backend of the model (default: %(default)s)")
+    linear = p.add_argument_group(
+        "linear", "With --linear: causal linear attention (chunked) against causal sdpa at each "
+                  "--seq-lens, and one decode step after several lengths, instead of the backends")
+    linear.add_argument("--linear", action="store_true",
+                        help="run the linear-attention benchmark (it uses --seq-lens, --batch, "
+                             "--heads, --head-dim, --dtype, --device, --repeats and "
+                             "--max-warmup) (default: off)")
+    linear.add_argument("--chunk-size", type=int, default=64, metavar="C",
+                        help="tokens per chunk of the chunked form (default: %(default)s)")
+    linear.add_argument("--feature-map", choices=FEATURE_MAPS, default="elu",
+                        help="the feature map that linear attention applies to queries and "
+                             "keys (default: %(default)s)")
+    linear.add_argument("--step-lens", type=int, nargs="+", default=[512, 4096], metavar="L",
+                        help="lengths after which one decode step is timed (default: 512 4096)")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the rows and the hardware to this JSON file "
                         "(default: none)")
@@ -495,7 +510,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         device = default_device() if args.device is None else check_device(args.device)
-        if args.decode:
+        if args.linear:
+            from .linear_bench import main_linear
+
+            args.repeats = 5 if args.repeats is None else args.repeats
+            text, report = main_linear(args, device)
+        elif args.decode:
             from .decode_bench import main_decode
 
             args.repeats = 3 if args.repeats is None else args.repeats
@@ -511,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     elapsed = time.perf_counter() - start
     info = hardware(device)
-    if args.decode:
+    if args.decode or args.linear:
         print(f"{info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, "
               f"torch {info['torch']}")
         print(text)

@@ -1,0 +1,290 @@
+"""Linear attention: softmax's kernel replaced by a dot product of features (chapter 10).
+
+Katharopoulos et al. 2020, "Transformers are RNNs". Softmax attention weighs key j for query i by
+exp(q_i·k_j / √D). Replace that kernel by φ(q_i)·φ(k_j) for a feature map φ: (..., D) -> (..., D')
+with non-negative values, and the output of query i becomes
+
+    out_i = φ(q_i)ᵀ S_i / φ(q_i)ᵀ z_i,    S_i = Σ_j φ(k_j) v_jᵀ  (D', Dv),   z_i = Σ_j φ(k_j)  (D',)
+
+over all keys j (non-causal) or j <= i (causal). S and z do not depend on the query, so the T×T
+matrix of weights never has to exist: φ(Q) (φ(K)ᵀ V) costs O(T·D'·Dv) instead of O(T²·D).
+Causal attention can be computed three ways, all equal (``form=``):
+
+- ``"quadratic"``: the T×T matrix φ(Q) φ(K)ᵀ, masked to j <= i: the reference, O(T²).
+- ``"chunked"``: the quadratic form inside chunks of ``chunk_size`` tokens, and for everything
+  before a chunk the state (S, z) summed over the earlier chunks: O(T·C·D + T·D'·Dv).
+- ``"recurrent"``: one token at a time, S += φ(k_t) v_tᵀ, z += φ(k_t): an RNN whose memory is a
+  D'×Dv matrix, whatever the length. ``linear_attention_step`` is one such step, for decoding.
+
+Feature maps (``feature_map=``): ``"elu"`` (elu(x) + 1, the paper's), ``"relu"``, ``"performer"``
+(``PerformerFeatures(D)``: positive random features whose dot product approximates softmax's own
+kernel, Choromanski et al. 2021), or any callable (..., D) -> (..., D'), e.g. a
+``PerformerFeatures`` with more features or another seed.
+"""
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .attention import _accumulation_dtype, _shape, check_attention_inputs
+
+FeatureMap = Callable[[Tensor], Tensor]  # (..., D) -> (..., D'), the same map for q and k
+FEATURE_MAPS = ("elu", "relu", "performer")
+FORMS = ("quadratic", "chunked", "recurrent")
+EPS = 1e-6
+
+
+def _random_rotation(d: int, generator: torch.Generator) -> Tensor:
+    """A (d, d) orthogonal matrix drawn uniformly (Haar): QR of a Gaussian, signs fixed by R."""
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+class PerformerFeatures:
+    """Positive random features for the softmax kernel (Performer's FAVOR+).
+
+    x: (..., D) -> φ(x): (..., num_features), with
+
+        φ(x) = exp(W x' - |x'|² / 2) / √m,    x' = x / D^(1/4),   W: (m, D) random rows
+
+    so that E[φ(q)·φ(k)] = exp(q·k / √D), softmax attention's weight before normalising. The
+    rows of W are Gaussian, made orthogonal in blocks of D (``orthogonal=True``, which lowers the
+    variance), drawn once from ``seed`` on the CPU in float64: the same features for q and k, on
+    every run and device. More features, a closer approximation. Values are exponentials, so keep
+    |x|² / √D moderate (as softmax needs too) or they overflow.
+    """
+
+    def __init__(self, head_dim: int, num_features: int = 256, *, seed: int = 0,
+                 orthogonal: bool = True):
+        for name, n in (("head_dim", head_dim), ("num_features", num_features)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        self.head_dim, self.num_features, self.seed = head_dim, num_features, seed
+        self.orthogonal = orthogonal
+        g = torch.Generator().manual_seed(seed)
+        gaussian = torch.randn(num_features, head_dim, generator=g, dtype=torch.float64)
+        if orthogonal:
+            blocks = [_random_rotation(head_dim, g)
+                      for _ in range(math.ceil(num_features / head_dim))]
+            # Orthogonal unit rows, given the lengths that Gaussian rows would have.
+            gaussian = torch.cat(blocks)[:num_features] * gaussian.norm(dim=1, keepdim=True)
+        self.projection = gaussian  # (m, D)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"PerformerFeatures(head_dim={self.head_dim}) got x {_shape(x)}")
+        x = x * self.head_dim ** -0.25
+        w = self.projection.to(device=x.device, dtype=x.dtype)
+        squared_norm = (x * x).sum(-1, keepdim=True) / 2
+        return torch.exp(x @ w.T - squared_norm) / math.sqrt(self.num_features)
+
+    def __repr__(self) -> str:
+        return (f"PerformerFeatures(head_dim={self.head_dim}, num_features={self.num_features}, "
+                f"seed={self.seed}, orthogonal={self.orthogonal})")
+
+
+def elu_features(x: Tensor) -> Tensor:
+    """elu(x) + 1: positive everywhere, x + 1 for x > 0. (..., D) -> (..., D)."""
+    return F.elu(x) + 1
+
+
+def relu_features(x: Tensor) -> Tensor:
+    """max(x, 0): non-negative, and all zero when every coordinate is. (..., D) -> (..., D)."""
+    return F.relu(x)
+
+
+@functools.lru_cache(maxsize=16)
+def _default_performer(head_dim: int) -> PerformerFeatures:
+    return PerformerFeatures(head_dim)
+
+
+def feature_map_fn(feature_map: str | FeatureMap, head_dim: int) -> FeatureMap:
+    """The callable behind ``feature_map``: a name in ``FEATURE_MAPS``, or a callable as is."""
+    if isinstance(feature_map, str):
+        if feature_map == "elu":
+            return elu_features
+        if feature_map == "relu":
+            return relu_features
+        if feature_map == "performer":
+            return _default_performer(head_dim)
+        raise ValueError(f"unknown feature_map {feature_map!r}; expected one of "
+                         f"{', '.join(FEATURE_MAPS)} or a callable")
+    if not callable(feature_map):
+        raise ValueError(f"feature_map must be one of {', '.join(FEATURE_MAPS)} or a callable, "
+                         f"got {feature_map!r}")
+    return feature_map
+
+
+def _features(phi: FeatureMap, x: Tensor) -> Tensor:
+    out = phi(x)
+    if not isinstance(out, Tensor) or out.dim() != x.dim() or out.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"feature_map {phi!r} must map (..., D) to (..., D'); x {_shape(x)} "
+                         f"gave {_shape(out)}")
+    return out
+
+
+def _check_options(form: str, chunk_size: int, eps: float) -> None:
+    if form not in FORMS:
+        raise ValueError(f"unknown form {form!r}; expected one of {', '.join(FORMS)}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive number, got {eps!r}")
+
+
+def _divide(num: Tensor, den: Tensor, eps: float) -> Tensor:
+    # With non-negative features num is 0 wherever den is (every weight is 0): 0 / eps = 0.
+    return num / den.clamp_min(eps).unsqueeze(-1)
+
+
+def linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+    feature_map: str | FeatureMap = "elu", form: str = "chunked", chunk_size: int = 64,
+    eps: float = EPS,
+) -> Tensor:
+    """out_i = φ(q_i)ᵀ S_i / φ(q_i)ᵀ z_i, over keys j <= i (``causal``) or all of them.
+
+    q: (B, H, T, D)   k: (B, H, T, D)   v: (B, H, T, Dv)   ->   (B, H, T, Dv)
+
+    Self-attention only: q and k have one length T (a query's position is its index), and one
+    number of heads. No mask and no scale: the feature map is the kernel.
+
+    ``form``: causal, the three forms of the module docstring, all equal. Non-causal, every query
+    reads the same state over all T keys: ``"quadratic"`` builds the T×T weights, ``"chunked"``
+    and ``"recurrent"`` both compute φ(Q) (φ(K)ᵀ V) in O(T). ``chunk_size``: tokens per chunk of
+    the chunked form (any positive int; a chunk longer than T is the quadratic form).
+
+    The denominator φ(q_i)ᵀ z_i is clamped below at ``eps``: a query whose features meet no key's
+    (relu features all zero) gives zeros, not NaN. Computed in float32 at least, returned in q's
+    dtype. ``ValueError`` for unknown options or shapes that do not fit.
+    """
+    check_attention_inputs(q, k, v)
+    if q.shape != k.shape:
+        raise ValueError(f"linear attention is self-attention: q {_shape(q)} and k {_shape(k)} "
+                         "must have one shape (B, H, T, D)")
+    _check_options(form, chunk_size, eps)
+    phi = feature_map_fn(feature_map, q.shape[-1])
+    acc = _accumulation_dtype(q.dtype)
+    fq, fk = _features(phi, q.to(acc)), _features(phi, k.to(acc))
+    v = v.to(acc)
+    if form == "quadratic" or q.shape[2] == 0:  # T = 0: the empty result, no loop to run
+        out = _quadratic(fq, fk, v, causal, eps)
+    elif not causal:
+        out = _global(fq, fk, v, eps)
+    elif form == "chunked":
+        out = _chunked(fq, fk, v, chunk_size, eps)
+    else:
+        out = _recurrent(fq, fk, v, eps)
+    return out.to(q.dtype)
+
+
+def _quadratic(fq: Tensor, fk: Tensor, v: Tensor, causal: bool, eps: float) -> Tensor:
+    weights = fq @ fk.transpose(-2, -1)                        # (B, H, T, T)
+    if causal:
+        weights = weights.tril()
+    return _divide(weights @ v, weights.sum(-1), eps)
+
+
+def _global(fq: Tensor, fk: Tensor, v: Tensor, eps: float) -> Tensor:
+    s = fk.transpose(-2, -1) @ v                               # (B, H, D', Dv)
+    z = fk.sum(-2)                                             # (B, H, D')
+    return _divide(fq @ s, (fq * z.unsqueeze(-2)).sum(-1), eps)
+
+
+def _chunked(fq: Tensor, fk: Tensor, v: Tensor, chunk_size: int, eps: float) -> Tensor:
+    """The T tokens in N chunks of C: inside a chunk, the masked C×C weights; before it, the
+    state of the chunks before, the sum of their own states. Every chunk at once, no loop."""
+    b, h, t, _ = fq.shape
+    c = min(chunk_size, t)
+    n = -(-t // c)
+    if n * c > t:  # pad the last chunk with zero features: they add nothing to any state
+        fq, fk, v = (F.pad(x, (0, 0, 0, n * c - t)) for x in (fq, fk, v))
+    fq, fk, v = (x.reshape(b, h, n, c, x.shape[-1]) for x in (fq, fk, v))
+    s = fk.transpose(-2, -1) @ v                               # (B, H, N, D', Dv): each chunk's
+    z = fk.sum(-2).unsqueeze(-1)                               # (B, H, N, D', 1)
+    s_before, z_before = s.cumsum(2) - s, z.cumsum(2) - z      # the chunks before each chunk
+    weights = (fq @ fk.transpose(-2, -1)).tril_()              # (B, H, N, C, C): inside a chunk
+    num = fq @ s_before + weights @ v                          # (B, H, N, C, Dv)
+    den = (fq @ z_before)[..., 0] + weights.sum(-1)            # (B, H, N, C)
+    return _divide(num, den, eps).reshape(b, h, n * c, -1)[:, :, :t]
+
+
+def _recurrent(fq: Tensor, fk: Tensor, v: Tensor, eps: float) -> Tensor:
+    b, h, t, d = fk.shape
+    state = LinearAttentionState(fk.new_zeros(b, h, d, v.shape[-1]), fk.new_zeros(b, h, d))
+    outs = []
+    for i in range(t):
+        state = state.add(fk[:, :, i], v[:, :, i])
+        outs.append(state.read(fq[:, :, i], eps))
+    return torch.stack(outs, dim=2)
+
+
+@dataclass
+class LinearAttentionState:
+    """What causal linear attention remembers of the tokens it has read: the RNN's state.
+
+    s: (B, H, D', Dv) = Σ_j φ(k_j) v_jᵀ     z: (B, H, D') = Σ_j φ(k_j)
+
+    Its size does not depend on how many tokens it holds. Kept in float32 at least.
+    """
+
+    s: Tensor
+    z: Tensor
+
+    def add(self, fk: Tensor, v: Tensor) -> "LinearAttentionState":
+        """The state after one more token: features fk (B, H, D') and value v (B, H, Dv)."""
+        return LinearAttentionState(self.s + fk.unsqueeze(-1) * v.unsqueeze(-2), self.z + fk)
+
+    def read(self, fq: Tensor, eps: float = EPS) -> Tensor:
+        """A query's output from the state: features fq (B, H, D') -> (B, H, Dv)."""
+        num = (fq.unsqueeze(-2) @ self.s).squeeze(-2)
+        return _divide(num, (fq * self.z).sum(-1), eps)
+
+
+def linear_attention_state(k: Tensor, v: Tensor, *,
+                           feature_map: str | FeatureMap = "elu") -> LinearAttentionState:
+    """The state after reading every token of k (B, H, T, D) and v (B, H, T, Dv): a prefill.
+
+    φ(K)ᵀ V and the sum of φ(K) over T, in O(T); T = 0 gives the empty (zero) state.
+    """
+    check_attention_inputs(k, k, v)
+    phi = feature_map_fn(feature_map, k.shape[-1])
+    acc = _accumulation_dtype(k.dtype)
+    fk = _features(phi, k.to(acc))
+    return LinearAttentionState(fk.transpose(-2, -1) @ v.to(acc), fk.sum(-2))
+
+
+def linear_attention_step(
+    q_t: Tensor, k_t: Tensor, v_t: Tensor, state: LinearAttentionState | None = None, *,
+    feature_map: str | FeatureMap = "elu", eps: float = EPS,
+) -> tuple[Tensor, LinearAttentionState]:
+    """One token of causal linear attention: the new token is read into the state, then its
+    query reads the state. Time and memory O(1) in the number of tokens before it.
+
+    q_t: (B, H, 1, D)   k_t: (B, H, 1, D)   v_t: (B, H, 1, Dv)   state: as returned before, or
+    None to start from nothing   ->   out_t (B, H, 1, Dv), the new state (the old one is kept).
+
+    Calling it for t = 0, 1, ... gives ``linear_attention(..., causal=True)`` token by token.
+    """
+    check_attention_inputs(q_t, k_t, v_t)
+    if q_t.shape != k_t.shape or q_t.shape[2] != 1:
+        raise ValueError(f"a step takes one token: q_t and k_t of shape (B, H, 1, D), got q_t "
+                         f"{_shape(q_t)} and k_t {_shape(k_t)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    phi = feature_map_fn(feature_map, q_t.shape[-1])
+    acc = _accumulation_dtype(q_t.dtype)
+    fq, fk = _features(phi, q_t[:, :, 0].to(acc)), _features(phi, k_t[:, :, 0].to(acc))
+    v = v_t[:, :, 0].to(acc)
+    if state is None:
+        state = LinearAttentionState(fk.new_zeros(*fk.shape, v.shape[-1]), torch.zeros_like(fk))
+    elif state.s.shape != (*fk.shape, v.shape[-1]) or state.z.shape != fk.shape:
+        raise ValueError(f"state s {_shape(state.s)}, z {_shape(state.z)} does not fit features "
+                         f"{_shape(fk)} and values {_shape(v)}")
+    state = state.add(fk, v)
+    return state.read(fq, eps).unsqueeze(2).to(q_t.dtype), state
