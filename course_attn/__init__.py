@@ -3,7 +3,10 @@
 from .attention import attention_weights, repeat_kv, scaled_dot_product_attention, softmax
 from .backends import BACKENDS, get_backend, register
 from .device import available_devices, default_device, seed_everything
+from .flash import flash_attention, merge_attention_states, online_softmax
 from .kv_cache import KVCache
+from .linear import linear_attention
+from .local import RollingKVCache, local_attention
 from .mla import MultiHeadLatentAttention
 from .multihead import MultiHeadAttention
 from .norm import RMSNorm, rms_norm
@@ -15,9 +18,11 @@ from .masks import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "BACKENDS", "KVCache", "MultiHeadAttention", "MultiHeadLatentAttention", "RMSNorm", "RotaryEmbedding", "apply_rotary_emb",
-    "attention_mask", "attention_weights", "available_devices", "causal_mask", "combine_masks",
-    "default_device", "get_backend", "padding_mask", "register", "repeat_kv", "rms_norm",
+    "BACKENDS", "KVCache", "MultiHeadAttention", "MultiHeadLatentAttention", "RMSNorm",
+    "RollingKVCache", "RotaryEmbedding", "apply_rotary_emb", "attention_mask", "attention_weights",
+    "available_devices", "causal_mask", "combine_masks", "default_device", "flash_attention",
+    "get_backend", "linear_attention", "local_attention", "merge_attention_states",
+    "online_softmax", "padding_mask", "register", "repeat_kv", "rms_norm",
     "scaled_dot_product_attention", "seed_everything", "sliding_window_mask", "softmax",
     "to_additive",
 ]

@@ -3,8 +3,17 @@
     attn(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, window=None)
     q: (B, Hq, Tq, D)   k: (B, Hkv, Tk, D)   v: (B, Hkv, Tk, Dv)   ->  (B, Hq, Tq, Dv)
 
-``BACKENDS["math"]`` is the reference; every other entry returns the same numbers.
-Later chapters register theirs with ``register``.
+``BACKENDS["math"]`` is the reference; every other entry returns the same numbers (up to float
+rounding). ``import course_attn`` registers them all:
+
+    "math"    the explicit T×T computation (attention.py, chapter 2)
+    "sdpa"    PyTorch's fused kernel, given the bottom-right/window mask our semantics need
+    "local"   sliding-window attention at O(T·W) (local.py, chapter 11)
+    "flash"   the tiled online-softmax forward and recomputing backward (flash.py, chapter 9)
+    "triton"  the Triton flash kernel (triton_flash.py), only where CUDA is present; no attn_mask
+              or window there: those raise ValueError
+
+Linear attention approximates softmax with another signature (linear.py), so it is not here.
 """
 
 from typing import Callable
@@ -58,6 +67,8 @@ def sdpa_attention(
                           device=q.device)
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
+    if mask is not None and mask.dim() < 2:   # PyTorch 2.13 rejects a 1-D mask (Tk,): IndexError
+        mask = mask.reshape(1, -1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
     dead = dead_rows(mask)
     # Our contract is zeros for a query with no key; make it hold for every kernel and mask kind.
@@ -66,3 +77,18 @@ def sdpa_attention(
 
 register("math", scaled_dot_product_attention)
 register("sdpa", sdpa_attention)
+
+from .local import local_attention  # noqa: E402  (local.py imports attention/masks, not this)
+register("local", local_attention)
+
+from .flash import flash_attention  # noqa: E402  (flash.py imports attention/masks, not this)
+register("flash", flash_attention)
+
+# The Triton kernel runs on CUDA only; a CPU-only install has no Triton and never imports it.
+if torch.cuda.is_available():
+    try:
+        from .triton_flash import triton_attention
+    except ImportError:
+        pass
+    else:
+        register("triton", triton_attention)
