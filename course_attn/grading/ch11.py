@@ -1,0 +1,345 @@
+"""Exercises of Chapter 11, local (sliding-window) attention.
+
+    ch11.window_mask            window_mask(tq, tk, window) -> bool (Tq, Tk): the causal sliding
+                                window, bottom-right aligned: query i (at position Tk - Tq + i)
+                                may see key j when 0 <= (Tk - Tq + i) - j < window
+    ch11.rolling_index          rolling_index(position, size, sinks=0) -> int: the slot of a
+                                rolling buffer of ``size`` slots where the token at ``position``
+                                is written; the first ``sinks`` tokens keep their slots forever,
+                                the others take turns in the remaining size - sinks slots
+    ch11.local_attention_block  local_attention_block(q, k, v, start, window) -> (B, H, Tb, Dv):
+                                one block of queries, at positions start .. start + Tb - 1,
+                                against only the keys in its reach
+    ch11.window_budget          window_budget() -> dict: receptive field, layers needed, scored
+                                pairs and rolling-cache bytes for Mistral 7B's configuration
+                                (derive: compared with the formulas, computed)
+
+References: ``course_attn.sliding_window_mask``; the rolling-buffer rule below;
+``course_attn.scaled_dot_product_attention(..., is_causal=True, window=W)`` on the keys in reach;
+the counts computed from L·(W - 1) + 1 and the sum of min(i + 1, W).
+"""
+
+import math
+
+import torch
+
+from ..attention import scaled_dot_product_attention
+from ..masks import query_key_offsets, sliding_window_mask
+from .cases import Questions, as_number, expect_tensor, randn
+from .ch01 import NO_LIBRARY_ATTENTION
+from .ch03 import NO_LIBRARY_MASKS
+from .exercise import Case, Exercise, Mistake, register
+
+NO_LIBRARY_LOCAL = NO_LIBRARY_ATTENTION + (
+    "torch.nn.attention.flex_attention.flex_attention",
+    "torch.nn.attention.flex_attention.create_block_mask")
+
+
+# --- ch11.window_mask ----------------------------------------------------------------------------
+
+def window_mask_reference(tq, tk, window):
+    """Bool (Tq, Tk): True where 0 <= (Tk - Tq + i) - j < window."""
+    return sliding_window_mask(tq, tk, window, causal=True)
+
+
+def _window_cases():
+    yield Case("square, T=7, W=3", (7, 7, 3),
+               hint="query i may see keys i - W + 1 .. i: W keys, its own among them")
+    yield Case("W=1: each query sees itself only, T=4", (4, 4, 1),
+               hint="with W = 1 only the diagonal is True")
+    yield Case("a window wider than the sequence, T=4, W=6", (4, 4, 6),
+               hint="when W >= T no key is W positions back: the mask is the causal one")
+    yield Case("fewer queries than keys, Tq=3, Tk=8, W=3", (3, 8, 3),
+               hint="bottom-right: query i sits at position Tk - Tq + i, so the last query "
+                    "sees the last W keys")
+    yield Case("one query after many keys, Tq=1, Tk=9, W=4", (1, 9, 4),
+               hint="a single query is the last position: it sees the last W keys")
+    yield Case("more queries than keys, Tq=5, Tk=3, W=2", (5, 3, 2),
+               hint="the first Tq - Tk queries sit before every key: their rows are all False")
+
+
+def _offsets(tq, tk, align="bottom_right"):
+    return query_key_offsets(tq, tk, align=align)
+
+
+register(Exercise(
+    key="ch11.window_mask", function="window_mask", reference=window_mask_reference,
+    cases=_window_cases, compare=expect_tensor, banned=NO_LIBRARY_MASKS,
+    mistakes=(
+        Mistake("your window holds W + 1 keys: a query sees W keys, its own position included, "
+                "so a key W positions back is already out",
+                lambda tq, tk, w: (_offsets(tq, tk) >= 0) & (_offsets(tq, tk) <= w)),
+        Mistake("your window holds W - 1 keys: the query's own key counts as one of the W",
+                lambda tq, tk, w: (_offsets(tq, tk) >= 0) & (_offsets(tq, tk) < w - 1)),
+        Mistake("your window is aligned top-left (query i at position i, as PyTorch's "
+                "is_causal); here query i sits at position Tk - Tq + i",
+                lambda tq, tk, w: (_offsets(tq, tk, "top_left") >= 0)
+                & (_offsets(tq, tk, "top_left") < w)),
+        Mistake("your window looks both ways: here it is causal, a query never sees a key "
+                "after it", lambda tq, tk, w: _offsets(tq, tk).abs() < w),
+        Mistake("you kept the keys after the query: the window only reaches back, and the "
+                "future stays masked", lambda tq, tk, w: _offsets(tq, tk) < w),
+        Mistake("your mask is only causal: keys W or more positions back must be masked too",
+                lambda tq, tk, w: _offsets(tq, tk) >= 0),
+        Mistake("your mask is True where the query may NOT attend; here True means may attend",
+                lambda tq, tk, w: ~window_mask_reference(tq, tk, w)),
+        Mistake("your mask holds 0/1 numbers: compare positions to get a bool tensor",
+                lambda tq, tk, w: window_mask_reference(tq, tk, w).long()),
+        Mistake("your mask holds 0/1 numbers: compare positions to get a bool tensor",
+                lambda tq, tk, w: window_mask_reference(tq, tk, w).float()),
+    ),
+))
+
+
+# --- ch11.rolling_index --------------------------------------------------------------------------
+
+def rolling_index_reference(position, size, sinks=0):
+    """The slot of token ``position`` in a rolling buffer of ``size`` slots, ``sinks`` kept."""
+    if position < sinks:
+        return position
+    return sinks + (position - sinks) % (size - sinks)
+
+
+def expect_int(actual, expected, case=None) -> None:
+    """``actual`` is an int (or a one-element integer tensor) equal to ``expected``."""
+    got = as_number(actual)
+    if got is None:
+        raise AssertionError(f"your answer should be an int, got {type(actual).__name__}")
+    if isinstance(got, float) and not got.is_integer():
+        raise AssertionError(f"your answer {got!r} is not a whole number: a slot is an int")
+    if got != expected:
+        raise AssertionError(f"your slot {int(got)} is not the one the token is written to")
+
+
+def _rolling_cases():
+    yield Case("no sinks: position 2 in a buffer of 4", (2, 4, 0),
+               hint="until the buffer is full, token p goes to slot p")
+    yield Case("no sinks: position 4 in a buffer of 4 (the first wrap)", (4, 4, 0),
+               hint="once the buffer is full, the newest token overwrites the oldest one")
+    yield Case("no sinks: position 10 in a buffer of 4", (10, 4, 0),
+               hint="without sinks, the slots repeat every `size` tokens")
+    yield Case("a sink itself: position 1, size 6, 2 sinks", (1, 6, 2),
+               hint="the first `sinks` tokens each keep their own slot forever")
+    yield Case("the first token after the sinks: position 2, size 6, 2 sinks", (2, 6, 2),
+               hint="the first token after the sinks goes to the first slot after theirs")
+    yield Case("the first wrap with sinks: position 6, size 6, 2 sinks", (6, 6, 2),
+               hint="when the rolling slots are full, the oldest rolling token is overwritten, "
+                    "never a sink")
+    yield Case("position 11, size 6, 2 sinks", (11, 6, 2),
+               hint="only size - sinks slots take turns")
+    yield Case("position 13, size 5, 3 sinks", (13, 5, 3),
+               hint="count the rolling tokens from the first one after the sinks")
+    yield Case("position 100, size 4, 1 sink", (100, 4, 1),
+               hint="only size - sinks slots take turns, after the sinks' slots")
+
+
+register(Exercise(
+    key="ch11.rolling_index", function="rolling_index", reference=rolling_index_reference,
+    cases=_rolling_cases, compare=expect_int, banned=("course_attn",),
+    mistakes=(
+        Mistake("your index overwrites a sink: once the buffer is full, a new token may only "
+                "go to one of the size - sinks rolling slots",
+                lambda p, n, s=0: p % n),
+        Mistake("your index leaves out the sinks' slots: the rolling tokens go to slots "
+                "sinks .. size - 1, not from slot 0",
+                lambda p, n, s=0: p if p < s else (p - s) % (n - s)),
+        Mistake("your rolling slots start from the wrong phase: count a rolling token's turn "
+                "from the first token after the sinks, not from position 0",
+                lambda p, n, s=0: p if p < s else s + p % (n - s)),
+        Mistake("you rolled the sinks too: the first `sinks` tokens each keep their own slot",
+                lambda p, n, s=0: s + (p - s) % (n - s)),
+        Mistake("your rolling slots run past the buffer: only size - sinks slots take turns",
+                lambda p, n, s=0: p if p < s else s + (p - s) % n),
+    ),
+))
+
+
+# --- ch11.local_attention_block ------------------------------------------------------------------
+
+def local_attention_block_reference(q, k, v, start, window):
+    """Queries (B, H, Tb, D) at positions start .. start + Tb - 1, all keys (B, H, T, D) and
+    values (B, H, T, Dv) -> (B, H, Tb, Dv), reading only the keys in reach."""
+    end = start + q.shape[2]
+    lo = max(0, start - window + 1)
+    return scaled_dot_product_attention(q, k[:, :, lo:end], v[:, :, lo:end], is_causal=True,
+                                        window=window)
+
+
+def _block_case(name, b, h, t, tb, start, window, d, dv, seed, hint, *, poison=False,
+                dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed) if isinstance(seed, int) else seed
+    q = randn(b, h, tb, d, seed=g, dtype=dtype, scale=1.5)
+    k = randn(b, h, t, d, seed=g, dtype=dtype, scale=1.5)
+    v = randn(b, h, t, dv, seed=g, dtype=dtype)
+    if poison:           # what lies outside the block's reach must never be read
+        outside = torch.ones(t, dtype=torch.bool)
+        outside[max(0, start - window + 1):start + tb] = False
+        k[:, :, outside], v[:, :, outside] = float("nan"), float("nan")
+    return Case(name, (q, k, v, start, window), hint=hint)
+
+
+def _block_cases():
+    yield _block_case("the first block: start=0, Tb=4, T=12, W=3", 1, 2, 12, 4, 0, 3, 8, 8, 1100,
+                      "the block's queries sit at positions start .. start + Tb - 1; each sees "
+                      "itself and the W - 1 keys before it")
+    yield _block_case("a middle block: start=6, Tb=3, T=12, W=4", 1, 2, 12, 3, 6, 4, 8, 8, 1101,
+                      "query i of the block is token start + i: its keys are start + i - W + 1 "
+                      ".. start + i")
+    yield _block_case("a block longer than the window: start=5, Tb=6, T=16, W=2", 1, 1, 16, 6, 5,
+                      2, 4, 4, 1102, "inside the block, later queries must not see keys W or "
+                                     "more positions back, though they are in the block's keys")
+    yield _block_case("a window reaching past position 0: start=2, Tb=3, T=10, W=8", 2, 1, 10, 3,
+                      2, 8, 4, 4, 1103, "the reach starts at start - W + 1, but never before 0")
+    yield _block_case("W=1: each query sees itself only; start=3, Tb=2, T=8", 1, 2, 8, 2, 3, 1,
+                      4, 4, 1104, "with W = 1 each query's output is its own value")
+    yield _block_case("keys out of reach hold NaN: start=7, Tb=3, T=16, W=3", 1, 2, 16, 3, 7, 3,
+                      8, 8, 1105, "read only the keys and values in reach, start - W + 1 .. "
+                                  "start + Tb - 1: slice them before any product", poison=True)
+    yield _block_case("Dv=3, D=6, B=2, H=3, float64: start=4, Tb=4, T=12, W=3", 2, 3, 12, 4, 4,
+                      3, 6, 3, 1106, "do not convert the inputs; let their dtype flow through",
+                      dtype=torch.float64)
+
+
+def _block_wrong(*, lo_shift=0, hi_all=False, keep=None, align="bottom_right", offset=True,
+                 scale=True):
+    """local_attention_block with one mistake, as a student writes it: ``lo_shift`` moves the
+    first key read (negative: earlier); ``hi_all`` reads every key to the end; ``keep(d, w)``
+    is the mask on d = query position - key position (default 0 <= d < w); ``align`` the
+    query positions (top-left: the block's queries taken as the first positions of the slice);
+    ``offset=False`` forgets the block's start; ``scale=False`` forgets 1/sqrt(D)."""
+    def block(q, k, v, start, window):
+        tb = q.shape[2]
+        s = start if offset else 0
+        lo = max(0, s - window + 1 + lo_shift)
+        hi = k.shape[2] if hi_all else s + tb
+        ks, vs = k[:, :, lo:hi], v[:, :, lo:hi]
+        qpos = (torch.arange(tb) + s)[:, None] if align == "bottom_right" else \
+            (torch.arange(tb) + lo)[:, None]
+        d = qpos - torch.arange(lo, hi)[None, :]
+        allowed = (d >= 0) & (d < window) if keep is None else keep(d, window)
+        scores = q @ ks.transpose(-2, -1)
+        if scale:
+            scores = scores / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ vs
+    return block
+
+
+register(Exercise(
+    key="ch11.local_attention_block", function="local_attention_block",
+    reference=local_attention_block_reference, cases=_block_cases, compare=expect_tensor,
+    banned=NO_LIBRARY_LOCAL,
+    mistakes=(
+        Mistake("your block read keys or values outside its reach (here they are NaN): slice "
+                "k and v to the keys its queries can see before any product, masking them "
+                "afterwards is too late", _block_wrong(lo_shift=-1, hi_all=True)),
+        Mistake("your block's keys start one too late: a query at position p also sees the "
+                "key at p - W + 1", _block_wrong(lo_shift=1)),
+        Mistake("your window holds W + 1 keys: a query sees W keys, its own included",
+                _block_wrong(keep=lambda d, w: (d >= 0) & (d <= w))),
+        Mistake("you masked only the future: a later query in the block must not see keys W "
+                "or more positions back, though they are among the block's keys",
+                _block_wrong(keep=lambda d, w: d >= 0)),
+        Mistake("you left out the causal mask: a query in the block must not see the block's "
+                "keys after it", _block_wrong(keep=lambda d, w: d < w)),
+        Mistake("your mask is aligned top-left: the block's queries are its LAST Tb "
+                "positions (start .. start + Tb - 1), not the first of the keys you took",
+                _block_wrong(align="top_left")),
+        Mistake("you placed the block at position 0: its queries sit at start .. start + Tb "
+                "- 1", _block_wrong(offset=False)),
+        Mistake("you did not scale the scores by 1/sqrt(D)", _block_wrong(scale=False)),
+    ),
+))
+
+
+# --- ch11.window_budget: reach, layers, pairs and memory of Mistral 7B ---------------------------
+
+# Mistral 7B (Jiang et al. 2023, Table 1, and the released params.json of v0.1): 32 layers,
+# 8 key/value heads of dimension 128 (32 query heads), a sliding window of 4096 tokens.
+# These are inputs, not measurements.
+MISTRAL_7B = {"n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "window": 4096}
+BUDGET_SIZES = {"T": 16384, "bytes_per_value": 2}
+
+BUDGET_QUESTIONS = {
+    "reach": (
+        "(a) how many input positions can change the last layer's output at one position",
+        "count how far back one layer reaches from a position (a query sees W keys, its own "
+        "among them), then chain the layers: the second starts from the first one's oldest"),
+    "layers_to_cover": (
+        "(b) the fewest layers that let the last of T=16384 positions depend on the first",
+        "find the smallest L whose reach covers all T positions: the reach of L layers is "
+        "not L·W"),
+    "pairs": (
+        "(c) (query, key) pairs scored by one head of one layer, T=16384",
+        "sum over the queries the number of keys each sees: the first W - 1 queries see fewer "
+        "than W"),
+    "cache_bytes": (
+        "(d) bytes of the rolling KV cache of one sequence, all layers, 2 bytes per number",
+        "keys and values, in every layer, for the key/value heads only, W positions each"),
+}
+
+
+def _budget(**rule):
+    c, t = MISTRAL_7B, BUDGET_SIZES["T"]
+    L, W = c["n_layers"], c["window"]
+    per_layer = rule.get("per_layer", W - 1)
+    reach = rule.get("reach_fn", lambda L: L * per_layer + 1)
+    layers = 1
+    while reach(layers) < t:
+        layers += 1
+    heads = c["n_heads"] if rule.get("query_heads") else c["n_kv_heads"]
+    tensors = 1 if rule.get("keys_only") else 2
+    return {"reach": reach(L), "layers_to_cover": layers,
+            "pairs": rule.get("pairs", sum(min(i + 1, W) for i in range(t))),
+            "cache_bytes": tensors * L * heads * c["head_dim"] * W
+            * BUDGET_SIZES["bytes_per_value"]}
+
+
+def window_budget_reference():
+    """The four answers, from the reach L·(W - 1) + 1 and the sum of min(i + 1, W)."""
+    return _budget()
+
+
+def _budget_off_by(key, actual, expected) -> str:
+    got = as_number(actual)
+    if got is None:
+        return f"{key!r} should be a number, got {type(actual).__name__}"
+    direction = "too large" if got > expected else "too small"
+    if key == "layers_to_cover":
+        return f"your {key!r} is {direction}"
+    if abs(got / expected - 1) < 1e-3:
+        return f"your {key!r} is a little {direction} (by less than 0.1%)"
+    return f"your {key!r} is {got / expected:.4g} times the right count"
+
+
+BUDGET = Questions(BUDGET_QUESTIONS, same=lambda key, actual, expected: (
+    as_number(actual) is not None and math.isclose(as_number(actual), expected, rel_tol=1e-12)),
+    wrong=_budget_off_by)
+
+
+def _answering(**wrong):
+    return lambda: {**window_budget_reference(), **wrong}
+
+
+_T, _W = BUDGET_SIZES["T"], MISTRAL_7B["window"]
+
+register(Exercise(
+    key="ch11.window_budget", function="window_budget", reference=window_budget_reference,
+    cases=BUDGET.cases, compare=BUDGET.compare, banned=("course_attn",),
+    mistakes=(
+        Mistake("you counted W new positions per layer: a layer reaches W - 1 positions back "
+                "beyond the one it starts from", lambda: _budget(reach_fn=lambda L: L * _W)),
+        Mistake("you left out the position itself: L layers reach L·(W - 1) positions back, "
+                "plus the one they start from", _answering(reach=32 * (_W - 1))),
+        Mistake("you counted one layer only: each layer reaches back from the positions the "
+                "layer below could already see", _answering(reach=_W)),
+        Mistake("you counted W keys for every query: the first W - 1 queries have fewer keys "
+                "before them", _answering(pairs=_T * _W)),
+        Mistake("you counted full causal attention: with the window, a query sees at most W "
+                "keys", _answering(pairs=_T * (_T + 1) // 2)),
+        Mistake("you sized the cache for the query heads: with grouped-query attention only "
+                "the key/value heads are cached", lambda: _budget(query_heads=True)),
+        Mistake("you counted the keys only: the cache holds the values too",
+                lambda: _budget(keys_only=True)),
+    ),
+))
