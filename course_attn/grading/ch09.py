@@ -1,0 +1,575 @@
+"""Exercises of Chapter 9, online softmax and flash attention.
+
+    ch09.online_softmax   online_softmax(x) -> softmax of x over its last dim, computed with a
+                          running max and a running sum over the columns (x: (..., N)); a row
+                          of -inf gives zeros
+    ch09.merge_states     merge_states(out_a, lse_a, out_b, lse_b) -> (out, lse): attention over
+                          two disjoint key sets, from attention over each (out (B, H, Tq, Dv),
+                          lse (B, H, Tq), the log-sum-exp of each row's scores)
+    ch09.tile_update      tile_update(m, l, acc, scores, v) -> (m, l, acc): one key tile's update
+                          of the running max, running sum and unnormalised output
+    ch09.tile_mask        tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None)
+                          -> bool (ceil(tq/block_q), ceil(tk/block_k)): the tiles that hold at
+                          least one allowed (query, key) pair, bottom-right aligned
+    ch09.flash_counts     flash_counts() -> dict: tiles a causal and a windowed forward compute,
+                          and the memory traffic of the standard and the tiled forward (derive)
+
+References: ``course_attn.softmax``; ``course_attn.flash.merge_attention_states``; the update
+written out below; ``course_attn.masks`` reduced over blocks; the counts from the formulas of the
+chapter.
+"""
+
+import math
+
+import torch
+
+from ..attention import softmax
+from ..flash import merge_attention_states
+from ..masks import causal_mask, sliding_window_mask
+from .cases import Questions, as_number, expect_tensor, randn, random_mask
+from .ch01 import NO_LIBRARY_SOFTMAX
+from .exercise import Case, Exercise, Mistake, register
+
+INF = float("-inf")
+
+NO_SOFTMAX_OR_LSE = ("course_attn",) + NO_LIBRARY_SOFTMAX + (
+    "torch.logsumexp", "torch.Tensor.logsumexp", "torch.special.logsumexp",
+    "torch.log_softmax", "torch.Tensor.log_softmax", "torch.nn.functional.log_softmax",
+    "torch.special.log_softmax")
+
+
+def _shared_nans_zeroed(a, b):
+    """``a`` and ``b`` with 0 where both are NaN (how two wrong answers are recognised as the
+    same; the references never hold NaN)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+            and a.dtype == b.dtype and b.is_floating_point():
+        both = a.isnan() & b.isnan()
+        if both.any():
+            device = getattr(a, "grading_device", None)
+            a, b = a.masked_fill(both, 0.0), b.masked_fill(both, 0.0)
+            if device is not None:
+                a.grading_device = device
+    return a, b
+
+
+def expect_tensors(names):
+    """Compare a tuple of tensors named ``names`` item by item, as ``expect_tensor`` does."""
+    def compare(actual, expected, case=None) -> None:
+        if not isinstance(actual, (tuple, list)) or len(actual) != len(names):
+            raise AssertionError(f"your function should return a tuple ({', '.join(names)}), "
+                                 f"got {type(actual).__name__}"
+                                 + (f" of length {len(actual)}"
+                                    if isinstance(actual, (tuple, list)) else ""))
+        for name, got, want in zip(names, actual, expected):
+            got, want = _shared_nans_zeroed(got, want)
+            try:
+                expect_tensor(got, want, case)
+            except AssertionError as error:
+                raise AssertionError(f"{name}: {error}") from None
+    return compare
+
+
+def _finite_max(m):
+    """The running max with -inf (nothing seen yet) replaced by 0, so that exp(x - m) is 0."""
+    return torch.where(m == INF, torch.zeros_like(m), m)
+
+
+# --- ch09.online_softmax -------------------------------------------------------------------------
+
+def online_softmax_reference(x):
+    return softmax(x, dim=-1)
+
+
+def _scores(*shape, seed, scale=1.0, dtype=torch.float32):
+    return randn(*shape, seed=seed, scale=scale, dtype=dtype)
+
+
+def _online_cases():
+    yield Case("a (2, 5) tensor of small scores", (_scores(2, 5, seed=900),),
+               hint="each row of the result sums to 1 and keeps the order of the scores")
+    x = torch.arange(7, dtype=torch.float32).repeat(3, 1) * torch.tensor([[1.0], [2.0], [0.5]])
+    yield Case("scores that grow along each row: the max changes at every column", (x,),
+               hint="when a later column has a larger score, what was summed before it was "
+                    "summed against a smaller max")
+    yield Case("large scores, up to about 1000: exp overflows in float32",
+               (_scores(3, 6, seed=901, scale=400.0),),
+               hint="exp(89) is already inf in float32")
+    x = _scores(4, 6, seed=902, scale=2.0)
+    x[0, :3] = INF
+    x[1, :1] = INF
+    x[2, 2:] = INF
+    yield Case("masked entries (-inf), at the start of some rows", (x,),
+               hint="while only -inf entries have been seen, the running max is -inf")
+    x = _scores(3, 5, seed=903)
+    x[1] = INF
+    yield Case("a row that is all -inf (a query with no key): zeros", (x,),
+               hint="course_attn.softmax returns zeros for such a row, not NaN")
+    yield Case("batch dims (2, 3, 4, 6)", (_scores(2, 3, 4, 6, seed=904, scale=3.0),),
+               hint="the last dim is the one that sums to 1; keep every other dim")
+    yield Case("a single column", (_scores(3, 1, seed=905),),
+               hint="a row of one entry has weight 1")
+    yield Case("float64", (_scores(2, 7, seed=906, dtype=torch.float64, scale=5.0),),
+               hint="keep the input's dtype")
+
+
+def _online_wrong(*, rescale=True, use_max=True, guard_start=True, guard_dead=True):
+    """A student's online softmax with one mistake: ``rescale=False`` keeps the sum of the
+    earlier columns as it was when the max grows, ``use_max=False`` subtracts no max,
+    ``guard_start=False`` does not handle a running max of -inf, ``guard_dead=False`` divides
+    0 by 0 on a row of -inf."""
+    def online_softmax(x):
+        m = torch.full(x.shape[:-1], INF, dtype=x.dtype)
+        l = torch.zeros(x.shape[:-1], dtype=x.dtype)
+        for j in range(x.shape[-1]):
+            xj = x[..., j]
+            if not use_max:
+                l = l + torch.exp(xj)
+                continue
+            m_new = torch.maximum(m, xj)
+            ref = _finite_max(m_new) if guard_start else m_new
+            alpha = torch.exp(m - ref) if rescale else torch.ones_like(l)
+            l = l * alpha + torch.exp(xj - ref)
+            m = m_new
+        if not use_max:
+            return torch.exp(x) / l[..., None]
+        ref = _finite_max(m) if guard_start else m
+        total = torch.where(l == 0, torch.ones_like(l), l) if guard_dead else l
+        return torch.exp(x - ref[..., None]) / total[..., None]
+    return online_softmax
+
+
+register(Exercise(
+    key="ch09.online_softmax", function="online_softmax", reference=online_softmax_reference,
+    cases=_online_cases, compare=expect_tensor, banned=NO_SOFTMAX_OR_LSE,
+    mistakes=(
+        Mistake("a row that is all -inf gives NaN: its sum is 0, and 0 / 0 is NaN; such a row "
+                "has no key to attend to and must give zeros", _online_wrong(guard_dead=False)),
+        Mistake("you did not rescale the running sum when the running max grew: the terms "
+                "summed before were exponentials against the old max",
+                _online_wrong(rescale=False)),
+        Mistake("you subtracted no max: exp of a large score overflows to inf, and inf / inf "
+                "is NaN", _online_wrong(use_max=False)),
+        Mistake("a row that starts with -inf gives NaN: while the running max is still -inf, "
+                "-inf minus -inf is NaN, so that case needs its own handling",
+                _online_wrong(guard_start=False)),
+    ),
+))
+
+
+# --- ch09.merge_states ---------------------------------------------------------------------------
+
+def merge_states_reference(out_a, lse_a, out_b, lse_b):
+    return merge_attention_states(out_a, lse_a, out_b, lse_b)
+
+
+def partial_state(q, k, v, allowed, scale=1.0):
+    """out (B, H, Tq, Dv) and lse (B, H, Tq) of attention of q over the keys where ``allowed``
+    (bool, broadcast to (..., Tq, Tk)) is True, computed in float64, returned in q's dtype (lse
+    in float32 at least, as merge_attention_states returns it). No allowed key: out 0, lse -inf."""
+    s = (q.double() @ k.double().transpose(-2, -1)) * scale
+    s = s.masked_fill(~allowed, INF)
+    lse = torch.logsumexp(s, dim=-1)
+    out = softmax(s, dim=-1) @ v.double()
+    return out.to(q.dtype), lse.to(torch.promote_types(q.dtype, torch.float32))
+
+
+def split_states(b, h, tq, tk, d, dv, split, seed, *, scale=1.0, dtype=torch.float32,
+                 dead_rows=(), empty_side=None):
+    """The two partial states of one attention whose keys are split at ``split`` (a bool (Tk,)
+    mask for side A, or an int: the first ``split`` keys). ``dead_rows`` have no key on either
+    side, ``empty_side`` ("a" or "b") has no key for any row."""
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    q = randn(b, h, tq, d, seed=g, dtype=dtype)
+    k = randn(b, h, tk, d, seed=g, dtype=dtype)
+    v = randn(b, h, tk, dv, seed=g, dtype=dtype)
+    side_a = torch.arange(tk) < split if isinstance(split, int) else split
+    row = torch.ones(tq, 1, dtype=torch.bool)
+    row[list(dead_rows)] = False
+    a = side_a[None, :] & row & (empty_side != "a")
+    b_ = ~side_a[None, :] & row & (empty_side != "b")
+    out_a, lse_a = partial_state(q, k, v, a, scale)
+    out_b, lse_b = partial_state(q, k, v, b_, scale)
+    return out_a, lse_a, out_b, lse_b
+
+
+def _merge_cases():
+    yield Case("two halves of 8 keys; B=1, H=2, Tq=3, D=Dv=4",
+               split_states(1, 2, 3, 8, 4, 4, 4, 910),
+               hint="the merged output is the attention over all 8 keys")
+    yield Case("an uneven split, 1 key and 9; Dv=3 != D=5, B=2",
+               split_states(2, 1, 4, 10, 5, 3, 1, 911),
+               hint="a side with fewer keys can still hold most of a row's weight")
+    keys = torch.tensor([True, False, True, True, False, False, True, False, False])
+    yield Case("keys interleaved between the two sides",
+               split_states(1, 3, 2, 9, 4, 4, keys, 912),
+               hint="which keys sit on which side does not matter, only each side's total")
+    yield Case("large scores: log-sum-exps near 300", split_states(1, 2, 3, 6, 4, 4, 2, 913,
+                                                                   scale=60.0),
+               hint="exp(300) is inf in float32 and in float64 alike")
+    yield Case("side A has no key at all (lse = -inf, out = 0): the identity",
+               split_states(1, 2, 3, 6, 4, 4, 3, 914, empty_side="a"),
+               hint="merging with an empty state gives the other state back")
+    yield Case("rows with no key on either side stay out = 0, lse = -inf",
+               split_states(2, 1, 4, 6, 4, 4, 3, 915, dead_rows=(1, 3)),
+               hint="a row whose merged lse is -inf has no weight to share out")
+    yield Case("float64", split_states(1, 2, 3, 7, 4, 2, 3, 916, dtype=torch.float64),
+               hint="keep the inputs' dtype")
+
+
+def _merge_wrong(*, lse_rule="log", weights="share", guard=True):
+    """merge_states with one mistake, as a student writes it (the larger lse factored out):
+    ``lse_rule`` "max" or "naive" (the log of a sum of exps); ``weights`` "half" (equal), "raw"
+    (exp(lse) not divided by the total), "swapped", "unnormalised" (exp(lse - the larger lse),
+    not divided by their sum), "from_lse" (exp of each lse minus the merged lse, whatever that
+    is); ``guard=False``: no care for rows with no key on either side (-inf - -inf = NaN)."""
+    def merge(out_a, lse_a, out_b, lse_b):
+        top = torch.maximum(lse_a, lse_b)
+        ref = _finite_max(top) if guard else top
+        w_a, w_b = torch.exp(lse_a - ref), torch.exp(lse_b - ref)
+        total = w_a + w_b
+        if lse_rule == "max":
+            lse = top
+        elif lse_rule == "naive":
+            lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))
+        else:
+            lse = torch.where(total == 0, top, ref + torch.log(total))
+        safe = torch.where(total == 0, torch.ones_like(total), total) if guard else total
+        w_a, w_b = w_a / safe, w_b / safe
+        if weights == "half":
+            w_a = w_b = torch.full_like(total, 0.5)
+        elif weights == "raw":
+            w_a, w_b = torch.exp(lse_a), torch.exp(lse_b)
+        elif weights == "swapped":
+            w_a, w_b = w_b, w_a
+        elif weights == "unnormalised":
+            w_a, w_b = torch.exp(lse_a - ref), torch.exp(lse_b - ref)
+        elif weights == "from_lse":
+            w_a, w_b = torch.exp(lse_a - lse), torch.exp(lse_b - lse)
+        out = w_a[..., None] * out_a + w_b[..., None] * out_b
+        return out.to(out_a.dtype), lse
+    return merge
+
+
+register(Exercise(
+    key="ch09.merge_states", function="merge_states", reference=merge_states_reference,
+    cases=_merge_cases, compare=expect_tensors(("out", "lse")), banned=NO_SOFTMAX_OR_LSE + (
+        "torch.logaddexp", "torch.Tensor.logaddexp"),
+    mistakes=(
+        *(Mistake("you merged the log-sum-exps with a max: the row's total weight is the SUM "
+                  "of the two sides' totals, and lse is its log",
+                  _merge_wrong(lse_rule="max", weights=weights))
+          for weights in ("share", "unnormalised")),
+        Mistake("you averaged the two outputs equally: each side counts in proportion to its "
+                "share of the row's total weight", _merge_wrong(weights="half")),
+        Mistake("your two weights do not add up to one: each side's weight is its total "
+                "relative to the merged total", _merge_wrong(weights="raw")),
+        Mistake("you weighted each side's output with the other side's share",
+                _merge_wrong(weights="swapped")),
+        *(Mistake("you took exp of the log-sum-exps themselves: they overflow for large "
+                  "scores; factor out the larger one first",
+                  _merge_wrong(lse_rule="naive", weights=weights))
+          for weights in ("share", "from_lse")),
+        Mistake("a row with no key on either side gives NaN (-inf minus -inf): it must stay "
+                "out = 0, lse = -inf", _merge_wrong(guard=False)),
+    ),
+))
+
+
+# --- ch09.tile_update ----------------------------------------------------------------------------
+
+def tile_update_reference(m, l, acc, scores, v):
+    """Running max m (B, H, Tq), running sum l (B, H, Tq), unnormalised output acc (B, H, Tq, Dv);
+    one tile of scaled, masked scores (B, H, Tq, Bk) and its values (B, H, Bk, Dv) -> the new
+    (m, l, acc) over every key seen so far."""
+    m_new = torch.maximum(m, scores.amax(dim=-1))
+    ref = _finite_max(m_new)
+    alpha = torch.exp(m - ref)                       # 0 where m = -inf, 1 where the max stayed
+    p = torch.exp(scores - ref[..., None])           # 0 for masked scores
+    return m_new, l * alpha + p.sum(dim=-1), acc * alpha[..., None] + p @ v
+
+
+def empty_state(b, h, tq, dv, dtype=torch.float32):
+    return (torch.full((b, h, tq), INF, dtype=dtype), torch.zeros(b, h, tq, dtype=dtype),
+            torch.zeros(b, h, tq, dv, dtype=dtype))
+
+
+def tile_case(name, b, h, tq, bk, dv, tiles_before, seed, hint="", *, scale=2.0, shift=0.0,
+              dtype=torch.float32, p_keep=None, dead_rows=()):
+    """A state after ``tiles_before`` earlier tiles (scores * scale), and the next tile, whose
+    scores are moved by ``shift`` (above the running max when positive), masked at random with
+    ``p_keep``, and fully masked in ``dead_rows``; those rows are masked in the earlier tiles
+    too."""
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    state = empty_state(b, h, tq, dv, dtype)
+    for _ in range(tiles_before):
+        s = randn(b, h, tq, bk, seed=g, dtype=dtype, scale=scale)
+        s[:, :, list(dead_rows)] = INF
+        state = tile_update_reference(*state, s, randn(b, h, bk, dv, seed=g, dtype=dtype))
+    s = randn(b, h, tq, bk, seed=g, dtype=dtype, scale=scale) + shift
+    if p_keep is not None:
+        s = s.masked_fill(~random_mask(b, h, tq, bk, seed=g, p_keep=p_keep), INF)
+    s[:, :, list(dead_rows)] = INF
+    return Case(name, (*state, s, randn(b, h, bk, dv, seed=g, dtype=dtype)), hint=hint)
+
+
+def _tile_cases():
+    yield tile_case("the first tile: an empty state (m = -inf, l = 0, acc = 0); B=1, H=2, "
+                    "Tq=3, Bk=4", 1, 2, 3, 4, 4, 0, 920,
+                    "with nothing seen before, the state is this tile's own max, sum and "
+                    "weighted values")
+    yield tile_case("a third tile whose scores are larger than every earlier one: the max grows",
+                    1, 2, 3, 4, 4, 2, 921, "what the state holds was computed against the old "
+                                           "max", shift=6.0)
+    yield tile_case("a second tile whose scores are all smaller: the max stays", 2, 1, 4, 3, 5,
+                    1, 922, "l and acc keep what they had and add this tile's terms",
+                    shift=-6.0)
+    yield tile_case("a tile with masked scores (-inf) after two tiles; Dv=3 != Bk=5", 1, 2, 4,
+                    5, 3, 2, 923, "a masked score adds nothing to l or acc", p_keep=0.5)
+    yield tile_case("rows that have seen no key yet and see none in this tile (above the causal "
+                    "diagonal) stay m = -inf, l = 0, acc = 0", 1, 1, 4, 4, 4, 1, 924,
+                    "a row that has seen only -inf scores has nothing to rescale",
+                    dead_rows=(0, 2))
+    yield tile_case("float64, after three tiles", 1, 2, 2, 4, 4, 3, 925,
+                    "keep the inputs' dtype", dtype=torch.float64)
+
+
+def _tile_wrong(*, rescale_acc=True, rescale_l=True, normalise=False, guard=True,
+                running=True, new_max=True):
+    """tile_update with one mistake: no rescale of acc or l, ``normalise`` divides acc by l,
+    ``guard=False`` NaN while the max is -inf, ``running=False`` takes the tile's max as m,
+    ``new_max=False`` returns the old m."""
+    def update(m, l, acc, scores, v):
+        tile_max = scores.amax(dim=-1)
+        m_new = torch.maximum(m, tile_max) if running else tile_max
+        ref = _finite_max(m_new) if guard else m_new
+        alpha = torch.exp(m - ref)
+        p = torch.exp(scores - ref[..., None])
+        l_new = (l * alpha if rescale_l else l) + p.sum(dim=-1)
+        acc_new = (acc * alpha[..., None] if rescale_acc else acc) + p @ v
+        if normalise:
+            acc_new = acc_new / l_new[..., None]
+        return (m_new if new_max else m), l_new, acc_new
+    return update
+
+
+register(Exercise(
+    key="ch09.tile_update", function="tile_update", reference=tile_update_reference,
+    cases=_tile_cases, compare=expect_tensors(("m", "l", "acc")), banned=NO_SOFTMAX_OR_LSE,
+    mistakes=(
+        Mistake("you did not rescale the accumulator when the max grew: acc holds values "
+                "weighted by exponentials against the old max", _tile_wrong(rescale_acc=False)),
+        Mistake("you did not rescale the running sum l when the max grew: its terms are "
+                "exponentials against the old max", _tile_wrong(rescale_l=False)),
+        Mistake("you rescaled neither l nor acc when the max grew: both were computed against "
+                "the old max", _tile_wrong(rescale_acc=False, rescale_l=False)),
+        Mistake("you normalised the accumulator: acc stays an unnormalised sum while tiles "
+                "keep coming; dividing by l is the very last step", _tile_wrong(normalise=True)),
+        Mistake("you returned the old max: m must be the max over every score seen so far, "
+                "this tile's included", _tile_wrong(new_max=False)),
+        Mistake("your m is this tile's max, not the running max over every tile so far",
+                _tile_wrong(running=False)),
+        Mistake("rows that have seen only -inf scores give NaN (-inf minus -inf): while the "
+                "max is -inf, the state must stay empty", _tile_wrong(guard=False)),
+    ),
+))
+
+
+# --- ch09.tile_mask ------------------------------------------------------------------------------
+
+def _blocks(n, size):
+    return -(-n // size)
+
+
+def tile_mask_reference(tq, tk, block_q, block_k, is_causal=False, window=None):
+    """The tiles (query block, key block) that hold at least one allowed pair: the element mask
+    of ``course_attn.masks`` (bottom-right aligned), reduced with any() over each tile."""
+    if window is not None:
+        mask = sliding_window_mask(tq, tk, window, causal=is_causal)
+    elif is_causal:
+        mask = causal_mask(tq, tk)
+    else:
+        mask = torch.ones(tq, tk, dtype=torch.bool)
+    nq, nk = _blocks(tq, block_q), _blocks(tk, block_k)
+    padded = torch.zeros(nq * block_q, nk * block_k, dtype=torch.bool)
+    padded[:tq, :tk] = mask
+    return padded.view(nq, block_q, nk, block_k).any(dim=3).any(dim=1)
+
+
+def _mask_cases():
+    yield Case("causal, 8 x 8 in blocks of 2", (8, 8, 2, 2), dict(is_causal=True),
+               hint="a tile on the diagonal holds allowed pairs (a query sees itself)")
+    yield Case("no mask: every tile, 6 x 10 in blocks of 3 x 5", (6, 10, 3, 5),
+               dict(is_causal=False), hint="without a mask every pair is allowed")
+    yield Case("causal, 10 x 10 in blocks of 4: a partial last block", (10, 10, 4, 4),
+               dict(is_causal=True), hint="10 rows make 3 blocks of 4, the last one half full")
+    yield Case("causal, Tq=4 after Tk=12 (bottom-right), blocks of 4", (4, 12, 4, 4),
+               dict(is_causal=True), hint="the 4 queries are the LAST 4 positions: they see "
+                                          "every key")
+    yield Case("causal, block_q=4 and block_k=2, 12 x 12", (12, 12, 4, 2), dict(is_causal=True),
+               hint="compare positions, not block numbers, when the blocks differ in size")
+    yield Case("causal, Tq=12 > Tk=4: the first queries see no key", (12, 4, 4, 2),
+               dict(is_causal=True), hint="bottom-right: query i sits at position Tk - Tq + i")
+    yield Case("causal with a window of 5, 16 x 16 in blocks of 4", (16, 16, 4, 4),
+               dict(is_causal=True, window=5),
+               hint="the window keeps the query and the window - 1 keys before it")
+    yield Case("a window of 3 without causality, 12 x 12 in blocks of 2", (12, 12, 2, 2),
+               dict(is_causal=False, window=3), hint="without causality the window reaches "
+                                                       "both ways")
+
+
+def _mask_wrong(*, count=_blocks, align=True, causal_rule="ok", by_index=False, windowed=True,
+                window_rule="ok"):
+    """tile_mask with one mistake: ``count`` of blocks (floor division), ``align=False`` top
+    left, ``causal_rule`` "strict" (skips the diagonal tiles) or "one_more" (keeps one tile
+    above it), ``by_index`` compares block numbers, ``windowed=False`` ignores the window,
+    ``window_rule`` "one_more" keeps a key W positions back."""
+    def tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None):
+        nq, nk = count(tq, block_q), count(tk, block_k)
+        offset = tk - tq if align else 0
+        keep = torch.zeros(nq, nk, dtype=torch.bool)
+        for i in range(nq):
+            r0, r1 = offset + i * block_q, offset + min((i + 1) * block_q, tq) - 1
+            for j in range(nk):
+                c0, c1 = j * block_k, min((j + 1) * block_k, tk) - 1
+                ok = True
+                if is_causal:
+                    if by_index:
+                        ok = j <= i
+                    elif causal_rule == "strict":
+                        ok = c0 < r0
+                    elif causal_rule == "one_more":
+                        ok = c0 <= r1 + 1
+                    else:
+                        ok = c0 <= r1
+                if window is not None and windowed:
+                    reach = window - (0 if window_rule == "ok" else -1)
+                    ok = ok and c1 > r0 - reach and (is_causal or c0 < r1 + reach)
+                keep[i, j] = ok
+        return keep
+    return tile_mask
+
+
+register(Exercise(
+    key="ch09.tile_mask", function="tile_mask", reference=tile_mask_reference,
+    cases=_mask_cases, compare=expect_tensor, banned=("course_attn",),
+    mistakes=(
+        Mistake("your causal skip is one block off: it skips the tiles on the diagonal, which "
+                "hold the pairs of a query with itself and the keys just before it",
+                _mask_wrong(causal_rule="strict")),
+        Mistake("your causal skip is one block off: it keeps a tile that lies entirely above "
+                "the diagonal (compare the tile's first key with its last query, both "
+                "inclusive)", _mask_wrong(causal_rule="one_more")),
+        Mistake("you counted the blocks with floor division: a partial last block still holds "
+                "queries (or keys)", _mask_wrong(count=lambda n, s: n // s)),
+        Mistake("your causal tiles are aligned top-left: with Tq != Tk, query i sits at "
+                "position Tk - Tq + i", _mask_wrong(align=False)),
+        Mistake("you compared block numbers: with different block sizes, block i of the "
+                "queries and block i of the keys cover different positions",
+                _mask_wrong(by_index=True)),
+        Mistake("you ignored the window: tiles whose keys all lie W or more positions away "
+                "from every query are skipped too", _mask_wrong(windowed=False)),
+        Mistake("your window keeps one position too many: a key exactly W positions away is "
+                "outside it", _mask_wrong(window_rule="one_more")),
+    ),
+))
+
+
+# --- ch09.flash_counts: tiles and memory traffic, derived ----------------------------------------
+
+COUNT_SIZES = {"T": 1024, "block": 64, "W": 256, "T_traffic": 4096, "D": 64, "block_q": 128}
+
+COUNT_QUESTIONS = {
+    "causal_tiles": (
+        "(a) tiles a causal forward computes, T=1024, 64 x 64 tiles",
+        "count, for each query block, the key blocks up to and including the diagonal one"),
+    "window_tiles": (
+        "(b) tiles a causal forward with a window of 256 computes, T=1024, 64 x 64 tiles",
+        "a query block's allowed keys run from W - 1 positions before its first query to its "
+        "last query; count the key blocks that range touches, fewer near the start"),
+    "standard_elements": (
+        "(c) elements the standard forward reads and writes, T=4096, D=64, one head",
+        "the T x T matrix is written as S, read, written as P and read again; add the reads of "
+        "Q, K, V and the write of O"),
+    "tiled_elements": (
+        "(d) elements the tiled forward reads and writes, T=4096, D=64, block_q=128, one head",
+        "each query block reads its queries once and every key and value; the output and the "
+        "log-sum-exp are written once"),
+}
+
+
+def _tiles(t, block, window=None):
+    n = _blocks(t, block)
+    total = 0
+    for i in range(n):
+        r0, r1 = i * block, min((i + 1) * block, t) - 1
+        for j in range(n):
+            c0, c1 = j * block, min((j + 1) * block, t) - 1
+            if c0 <= r1 and (window is None or c1 > r0 - window):
+                total += 1
+    return total
+
+
+def _counts(*, skip="ok", window_blocks=None, score_passes=4, io=True, kv_once=False, lse=True):
+    s = COUNT_SIZES
+    T, D, bq = s["T_traffic"], s["D"], s["block_q"]
+    causal = {"ok": _tiles(s["T"], s["block"]), "none": _blocks(s["T"], s["block"]) ** 2,
+              "strict": _tiles(s["T"], s["block"]) - _blocks(s["T"], s["block"])}[skip]
+    if window_blocks is None:
+        window = _tiles(s["T"], s["block"], s["W"])
+    else:
+        n = _blocks(s["T"], s["block"])
+        window = sum(min(i + 1, window_blocks) for i in range(n))
+    standard = score_passes * T * T + (4 * T * D if io else 0)
+    kv_reads = 2 * T * D if kv_once else _blocks(T, bq) * 2 * T * D
+    tiled = T * D + kv_reads + T * D + (T if lse else 0)
+    return {"causal_tiles": causal, "window_tiles": window, "standard_elements": standard,
+            "tiled_elements": tiled}
+
+
+def flash_counts_reference():
+    """The four counts, from the rules of the chapter (computed here, not typed in)."""
+    return _counts()
+
+
+def _off_by(key, actual, expected) -> str:
+    got = as_number(actual)
+    if got is None:
+        return f"{key!r} should be a number, got {type(actual).__name__}"
+    return f"your {key!r} is {got / expected:.4g} times the right count"
+
+
+COUNTS = Questions(COUNT_QUESTIONS, same=lambda key, actual, expected: (
+    as_number(actual) is not None and math.isclose(as_number(actual), expected, rel_tol=1e-9)),
+    wrong=_off_by)
+
+
+def _answering(**wrong):
+    """A typical wrong answer: the right counts with these ones changed."""
+    return lambda: {**flash_counts_reference(), **wrong}
+
+
+def _with(key, **rule):
+    return _answering(**{key: _counts(**rule)[key]})
+
+
+register(Exercise(
+    key="ch09.flash_counts", function="flash_counts", reference=flash_counts_reference,
+    cases=COUNTS.cases, compare=COUNTS.compare, banned=("course_attn",),
+    mistakes=(
+        Mistake("you counted every tile: a causal forward skips the tiles entirely above the "
+                "diagonal", _with("causal_tiles", skip="none")),
+        Mistake("you skipped the diagonal tiles: they hold the pairs of each query with itself "
+                "and are computed", _with("causal_tiles", skip="strict")),
+        Mistake("you counted W / 64 key blocks per query block: a window that does not start on "
+                "a block boundary straddles one key block more",
+                _with("window_tiles", window_blocks=COUNT_SIZES["W"] // COUNT_SIZES["block"])),
+        Mistake("you counted the T x T matrix fewer than four times: S is written and read, "
+                "then P is written and read", _with("standard_elements", score_passes=2)),
+        Mistake("you left out the reads of Q, K, V and the write of O",
+                _with("standard_elements", io=False)),
+        Mistake("you read K and V once: every query block reads all of them again",
+                _with("tiled_elements", kv_once=True)),
+        Mistake("you left out the log-sum-exp that the forward writes for the backward",
+                _with("tiled_elements", lse=False)),
+    ),
+))

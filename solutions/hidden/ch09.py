@@ -1,0 +1,71 @@
+"""Hidden cases of chapter 9: drawn by the grader with a fresh seed for every notebook it grades.
+Private to instructors: never published with the course (see book/instructors.md)."""
+
+import torch
+
+from course_attn.grading.cases import randint, randn
+from course_attn.grading.ch09 import split_states, tile_case
+from course_attn.grading.exercise import Case, hidden
+
+INF = float("-inf")
+
+
+@hidden("ch09.online_softmax")
+def _(gen):
+    rows, cols = randint(2, 5, gen), randint(3, 9, gen)
+    x = randn(rows, cols, seed=gen, scale=float(randint(1, 5, gen)))
+    x = x + torch.arange(cols) * float(randint(1, 3, gen))         # the max moves along the row
+    yield Case(f"({rows}, {cols}) scores growing along the rows", (x,))
+    x = randn(2, randint(1, 3, gen), cols, seed=gen, scale=300.0)
+    x[0, 0, :randint(1, cols - 1, gen)] = INF
+    x[1, -1] = INF
+    yield Case(f"large scores, a row starting with -inf and a row of -inf, {cols} columns", (x,))
+    yield Case("float64", (randn(rows, cols, seed=gen, dtype=torch.float64, scale=4.0),))
+
+
+@hidden("ch09.merge_states")
+def _(gen):
+    b, h, tq, d, dv = (randint(1, 2, gen), randint(1, 3, gen), randint(2, 5, gen),
+                       randint(2, 6, gen), randint(1, 5, gen))
+    tk = randint(3, 10, gen)
+    split = torch.rand(tk, generator=gen) < 0.5
+    yield Case(f"a random split of {tk} keys, B={b}, H={h}, Tq={tq}, D={d}, Dv={dv}",
+               split_states(b, h, tq, tk, d, dv, split, gen, scale=float(randint(1, 40, gen))))
+    yield Case("rows empty on both sides, and one side empty",
+               split_states(1, h, 4, tk, d, dv, randint(1, tk - 1, gen), gen,
+                            dead_rows=(randint(0, 3, gen),), empty_side="b"))
+    yield Case("float64, large scores", split_states(1, 1, tq, tk, d, dv, randint(1, tk - 1, gen),
+                                                     gen, scale=60.0, dtype=torch.float64))
+
+
+@hidden("ch09.tile_update")
+def _(gen):
+    b, h, tq, bk, dv = (randint(1, 2, gen), randint(1, 3, gen), randint(2, 5, gen),
+                        randint(2, 6, gen), randint(1, 5, gen))
+    before = randint(1, 3, gen)
+    yield tile_case(f"a tile after {before}, the max growing, B={b}, H={h}, Tq={tq}, Bk={bk}",
+                    b, h, tq, bk, dv, before, gen, shift=float(randint(3, 8, gen)))
+    yield tile_case("the first tile, masked at random", b, h, tq, bk, dv, 0, gen, p_keep=0.6)
+    yield tile_case("dead rows after a masked tile", 1, h, 4, bk, dv, before, gen,
+                    dead_rows=(randint(0, 3, gen),), p_keep=0.7)
+    yield tile_case("float64, the max growing", 1, h, tq, bk, dv, before, gen,
+                    dtype=torch.float64, shift=5.0)
+
+
+@hidden("ch09.tile_mask")
+def _(gen):
+    bq, bk = randint(2, 5, gen), randint(2, 5, gen)
+    tq, tk = randint(5, 20, gen), randint(5, 20, gen)
+    yield Case(f"causal, Tq={tq}, Tk={tk}, blocks {bq} x {bk}", (tq, tk, bq, bk),
+               dict(is_causal=True))
+    t, b = randint(9, 24, gen), randint(2, 4, gen)
+    yield Case(f"causal, {t} x {t} in blocks of {b}", (t, t, b, b), dict(is_causal=True))
+    w = randint(2, 7, gen)
+    yield Case(f"causal, a window of {w}, Tq={tq}, Tk={tk}, blocks {bq} x {bk}",
+               (tq, tk, bq, bk), dict(is_causal=True, window=w))
+    yield Case(f"a window of {w} without causality, {t} x {t}, blocks of {b}", (t, t, b, b),
+               dict(is_causal=False, window=w))
+
+
+# ch09.flash_counts has no hidden cases: it asks for fixed answers (no inputs), and its one
+# public case per answer says only how far off an answer is, never what it is.

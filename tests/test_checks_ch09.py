@@ -1,0 +1,399 @@
+"""Chapter 9's exercises: each typical mistake fails the case meant for it with its own hint, and a
+banned call is reported by name. What every exercise must satisfy (the reference and the
+solution pass public and hidden cases, a stub is "not answered yet", every declared mistake
+names itself) is tested once, for all chapters, in test_exercises_conformance.py.
+
+The wrong solutions below are written as a student would write them; each test names the case
+it must fail and a fragment of the hint it must get.
+"""
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import course_attn
+from course_attn.grading import get, run_exercise
+from course_attn.grading.ch09 import (COUNT_SIZES, empty_state, split_states,
+                                      tile_update_reference)
+from course_attn.grading.exercise import hidden_cases, load_hidden
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+from check_support import assert_banned, assert_fails, results  # noqa: E402
+
+load_hidden(Path(__file__).resolve().parents[1] / "solutions")
+
+ONLINE, MERGE, TILE, MASK, COUNTS = ("ch09.online_softmax", "ch09.merge_states",
+                                     "ch09.tile_update", "ch09.tile_mask", "ch09.flash_counts")
+INF = float("-inf")
+
+
+# --- solutions as in solutions/09_flash_attention.ipynb ------------------------------------------
+
+def _ref(m):
+    return torch.where(m == INF, torch.zeros_like(m), m)
+
+
+def online_softmax(x, *, rescale=True, guard=True, use_max=True, dead=True):
+    """The solution; the keywords make it one typical mistake or another."""
+    m = torch.full(x.shape[:-1], INF, dtype=x.dtype)
+    l = torch.zeros(x.shape[:-1], dtype=x.dtype)
+    for j in range(x.shape[-1]):
+        if not use_max:
+            l = l + torch.exp(x[..., j])
+            continue
+        m_new = torch.maximum(m, x[..., j])
+        ref = _ref(m_new) if guard else m_new
+        l = (l * torch.exp(m - ref) if rescale else l) + torch.exp(x[..., j] - ref)
+        m = m_new
+    if not use_max:
+        return torch.exp(x) / l[..., None]
+    ref = _ref(m) if guard else m
+    total = torch.where(l == 0, torch.ones_like(l), l) if dead else l
+    return torch.exp(x - ref[..., None]) / total[..., None]
+
+
+def merge_states(out_a, lse_a, out_b, lse_b, *, lse_rule="log", weights="share", guard=True):
+    """The solution; the keywords make it one typical mistake or another."""
+    top = torch.maximum(lse_a, lse_b)
+    ref = _ref(top) if guard else top
+    w_a, w_b = torch.exp(lse_a - ref), torch.exp(lse_b - ref)
+    total = w_a + w_b
+    if lse_rule == "max":
+        lse = top
+    elif lse_rule == "naive":
+        lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))
+    else:
+        lse = torch.where(total == 0, top, ref + torch.log(total))
+    safe = torch.where(total == 0, torch.ones_like(total), total) if guard else total
+    if weights == "half":
+        w_a = w_b = torch.full_like(total, 0.5)
+        safe = torch.ones_like(total)
+    elif weights == "swapped":
+        w_a, w_b = w_b, w_a
+    out = (w_a / safe)[..., None] * out_a + (w_b / safe)[..., None] * out_b
+    return out.to(out_a.dtype), lse
+
+
+def tile_update(m, l, acc, scores, v, *, rescale_acc=True, rescale_l=True, guard=True,
+                normalise=False, in_place=False):
+    """The solution; the keywords make it one typical mistake or another."""
+    m_new = torch.maximum(m, scores.amax(dim=-1))
+    ref = _ref(m_new) if guard else m_new
+    alpha = torch.exp(m - ref)
+    p = torch.exp(scores - ref[..., None])
+    if in_place:
+        acc.mul_(alpha[..., None]).add_(p @ v)
+        l.mul_(alpha).add_(p.sum(-1))
+        return m_new, l, acc
+    l_new = (l * alpha if rescale_l else l) + p.sum(dim=-1)
+    acc_new = (acc * alpha[..., None] if rescale_acc else acc) + p @ v
+    if normalise:
+        acc_new = acc_new / l_new[..., None]
+    return m_new, l_new, acc_new
+
+
+def tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None, *, floor=False,
+              top_left=False, diagonal=True, extra=False, by_index=False, windowed=True):
+    """The solution; the keywords make it one typical mistake or another."""
+    n_q = tq // block_q if floor else -(-tq // block_q)
+    n_k = tk // block_k if floor else -(-tk // block_k)
+    offset = 0 if top_left else tk - tq
+    keep = torch.zeros(n_q, n_k, dtype=torch.bool)
+    for i in range(n_q):
+        p0, p1 = offset + i * block_q, offset + min((i + 1) * block_q, tq) - 1
+        for j in range(n_k):
+            k0, k1 = j * block_k, min((j + 1) * block_k, tk) - 1
+            ok = True
+            if is_causal:
+                if by_index:
+                    ok = j <= i
+                elif not diagonal:
+                    ok = j < i
+                elif extra:
+                    ok = k0 <= p1 + 1
+                else:
+                    ok = k0 <= p1
+            if window is not None and windowed:
+                ok = ok and k1 > p0 - window and (is_causal or k0 < p1 + window)
+            keep[i, j] = ok
+    return keep
+
+
+def flash_counts():
+    T, B, W = 1024, 64, 256
+    n = T // B
+    T2, D, Bq = 4096, 64, 128
+    return {"causal_tiles": sum(i + 1 for i in range(n)),
+            "window_tiles": sum(min(i + 1, W // B + 1) for i in range(n)),
+            "standard_elements": 4 * T2 * T2 + 4 * T2 * D,
+            "tiled_elements": (T2 // Bq) * (2 * Bq * D + 2 * T2 * D + Bq)}
+
+
+@pytest.mark.parametrize("key, fn", [(ONLINE, online_softmax), (MERGE, merge_states),
+                                     (TILE, tile_update), (MASK, tile_mask),
+                                     (COUNTS, flash_counts)])
+def test_the_notebooks_solutions_pass_with_the_watch_on(key, fn):
+    for cases in [None] + [hidden_cases(key, seed) or None for seed in range(5)]:
+        judgement = run_exercise(get(key), fn, cases)
+        assert judgement.passed, (judgement.banned, [(r.name, r.message) for r in
+                                                     judgement.results if not r.passed])
+
+
+# --- online_softmax ------------------------------------------------------------------------------
+
+GROWING = "scores that grow along each row: the max changes at every column"
+LARGE = "large scores, up to about 1000: exp overflows in float32"
+LEADING = "masked entries (-inf), at the start of some rows"
+DEAD_ROW = "a row that is all -inf (a query with no key): zeros"
+
+
+def test_online_softmax_mistakes():
+    assert_fails(ONLINE, lambda x: online_softmax(x, rescale=False), GROWING,
+                 hint="did not rescale the running sum")
+    assert_fails(ONLINE, lambda x: online_softmax(x, use_max=False), LARGE,
+                 hint="subtracted no max", message="NaN")
+    assert_fails(ONLINE, lambda x: online_softmax(x, guard=False), LEADING,
+                 hint="starts with -inf")
+    assert_fails(ONLINE, lambda x: online_softmax(x, dead=False), DEAD_ROW,
+                 hint="all -inf gives NaN")
+    # a rescaled sum passes even where the max never moves (a single column)
+    found = results(ONLINE, lambda x: online_softmax(x, rescale=False))
+    assert found["a single column"].passed and not found[GROWING].passed
+
+
+def test_online_softmax_may_not_call_a_library_softmax_or_logsumexp():
+    assert_banned(ONLINE, lambda x: torch.softmax(x, dim=-1), "torch.softmax")
+    assert_banned(ONLINE, lambda x: F.softmax(x, dim=-1), "torch.nn.functional.softmax")
+    assert_banned(ONLINE, lambda x: x.softmax(-1), "torch.Tensor.softmax")
+    assert_banned(ONLINE, lambda x: torch.exp(x - torch.logsumexp(x, -1, keepdim=True)),
+                  "torch.logsumexp")
+    assert_banned(ONLINE, lambda x: course_attn.softmax(x), "course_attn")
+
+
+# --- merge_states --------------------------------------------------------------------------------
+
+HALVES = "two halves of 8 keys; B=1, H=2, Tq=3, D=Dv=4"
+BIG = "large scores: log-sum-exps near 300"
+DEAD = "rows with no key on either side stay out = 0, lse = -inf"
+
+
+def test_merge_states_equals_attention_over_all_keys_in_any_split_order():
+    """The reference, folded over random splits of the keys in random orders, equals attention
+    over all keys: the merge is associative and commutative."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    expected = course_attn.scaled_dot_product_attention(q, k, v, scale=1.0)
+    scores = q @ k.transpose(-2, -1)
+    for trial in range(5):
+        order = torch.randperm(5, generator=g).tolist()
+        parts = [order[:2], order[2:3], order[3:]]
+        states = [((torch.softmax(scores[..., p], -1) @ v[:, :, p]),
+                   torch.logsumexp(scores[..., p], -1)) for p in parts]
+        for perm in itertools.permutations(states):
+            out, lse = perm[0]
+            for o, s in perm[1:]:
+                out, lse = get(MERGE).reference(out, lse, o, s)
+            torch.testing.assert_close(out, expected)
+            torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+
+
+def test_merge_states_mistakes():
+    assert_fails(MERGE, lambda *a: merge_states(*a, lse_rule="max"), HALVES,
+                 hint="with a max", message="lse")
+
+    def max_everywhere(out_a, lse_a, out_b, lse_b):
+        top = torch.maximum(lse_a, lse_b)
+        out = torch.exp(lse_a - top)[..., None] * out_a + torch.exp(lse_b - top)[..., None] * out_b
+        return out, top
+    assert_fails(MERGE, max_everywhere, HALVES, hint="with a max", message="out")
+    assert_fails(MERGE, lambda *a: merge_states(*a, weights="half"), HALVES,
+                 hint="averaged the two outputs equally", message="out")
+    assert_fails(MERGE, lambda *a: merge_states(*a, weights="swapped"), HALVES,
+                 hint="the other side's share")
+    assert_fails(MERGE, lambda *a: merge_states(*a, lse_rule="naive"), BIG,
+                 hint="overflow")
+    assert_fails(MERGE, lambda *a: merge_states(*a, guard=False), DEAD,
+                 hint="no key on either side gives NaN")
+
+    def raw_weights(out_a, lse_a, out_b, lse_b):
+        lse = merge_states(out_a, lse_a, out_b, lse_b)[1]
+        return torch.exp(lse_a)[..., None] * out_a + torch.exp(lse_b)[..., None] * out_b, lse
+    assert_fails(MERGE, raw_weights, HALVES, hint="do not add up to one")
+    assert_fails(MERGE, lambda *a: merge_states(*a)[0], HALVES, message="should return a tuple")
+
+
+def test_merge_states_may_not_call_logaddexp_or_the_package():
+    def with_logaddexp(out_a, lse_a, out_b, lse_b):
+        lse = torch.logaddexp(lse_a, lse_b)
+        return merge_states(out_a, lse_a, out_b, lse_b)[0], lse
+    assert_banned(MERGE, with_logaddexp, "torch.logaddexp")
+    assert_banned(MERGE, get(MERGE).reference, "course_attn")
+
+
+# --- tile_update ---------------------------------------------------------------------------------
+
+FIRST = "the first tile: an empty state (m = -inf, l = 0, acc = 0); B=1, H=2, Tq=3, Bk=4"
+GROWS = "a third tile whose scores are larger than every earlier one: the max grows"
+STAYS = "a second tile whose scores are all smaller: the max stays"
+ABOVE = ("rows that have seen no key yet and see none in this tile (above the causal diagonal) "
+         "stay m = -inf, l = 0, acc = 0")
+
+
+def test_tile_updates_over_every_tile_give_attention():
+    """Folding tile_update's reference over the key tiles of a causal attention, then acc / l,
+    is the package's attention (and l's log plus m is the log-sum-exp)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 10, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    scores = (q @ k.transpose(-2, -1) / 2.0).masked_fill(~course_attn.causal_mask(10), INF)
+    state = empty_state(1, 2, 10, 4, torch.float64)
+    for start in range(0, 10, 3):
+        state = tile_update_reference(*state, scores[..., start:start + 3],
+                                      v[:, :, start:start + 3])
+    m, l, acc = state
+    torch.testing.assert_close(acc / l[..., None],
+                               course_attn.scaled_dot_product_attention(q, k, v, is_causal=True))
+    torch.testing.assert_close(m + l.log(), torch.logsumexp(scores, -1))
+
+
+def test_tile_update_mistakes():
+    assert_fails(TILE, lambda *a: tile_update(*a, rescale_acc=False), GROWS,
+                 hint="did not rescale the accumulator", message="acc")
+    assert_fails(TILE, lambda *a: tile_update(*a, rescale_l=False), GROWS,
+                 hint="did not rescale the running sum l", message="l:")
+    assert_fails(TILE, lambda *a: tile_update(*a, rescale_acc=False, rescale_l=False), GROWS,
+                 hint="rescaled neither")
+    assert_fails(TILE, lambda *a: tile_update(*a, normalise=True), STAYS,
+                 hint="normalised the accumulator")
+    assert_fails(TILE, lambda *a: tile_update(*a, guard=False), ABOVE, hint="give NaN")
+    # without the guard, a first tile with no masked score still works: exp(-inf - m) = 0
+    found = results(TILE, lambda *a: tile_update(*a, guard=False))
+    assert found[FIRST].passed and not found[ABOVE].passed
+
+    def old_max(*a):
+        return (a[0],) + tile_update(*a)[1:]
+    assert_fails(TILE, old_max, GROWS, hint="returned the old max", message="m:")
+
+    def tile_max(m, l, acc, scores, v):
+        new = scores.amax(-1)
+        alpha = torch.exp(m - new)
+        p = torch.exp(scores - new[..., None])
+        return new, l * alpha + p.sum(-1), acc * alpha[..., None] + p @ v
+    assert_fails(TILE, tile_max, STAYS, hint="this tile's max")
+    # writing into the state given is a mistake of its own
+    assert_fails(TILE, lambda *a: tile_update(*a, in_place=True), GROWS,
+                 message="changed its argument")
+
+
+def test_tile_update_may_not_call_a_softmax():
+    def with_softmax(m, l, acc, scores, v):
+        torch.softmax(scores, -1)
+        return tile_update(m, l, acc, scores, v)
+    assert_banned(TILE, with_softmax, "torch.softmax")
+
+
+# --- tile_mask -----------------------------------------------------------------------------------
+
+SQUARE = "causal, 8 x 8 in blocks of 2"
+PARTIAL = "causal, 10 x 10 in blocks of 4: a partial last block"
+FEWER_Q = "causal, Tq=4 after Tk=12 (bottom-right), blocks of 4"
+UNEQUAL = "causal, block_q=4 and block_k=2, 12 x 12"
+WINDOW = "causal with a window of 5, 16 x 16 in blocks of 4"
+TWO_SIDED = "a window of 3 without causality, 12 x 12 in blocks of 2"
+
+
+def test_the_tile_mask_reference_is_the_element_mask_reduced_over_tiles():
+    """Brute force: a tile is kept when any of its (query, key) pairs passes the package's mask."""
+    mask_of = get(MASK).reference
+    for tq, tk, bq, bk, causal, window in [(7, 11, 3, 2, True, None), (9, 9, 2, 4, True, 3),
+                                           (8, 5, 4, 3, True, None), (10, 10, 3, 3, False, 2)]:
+        full = course_attn.attention_mask(tq, tk, is_causal=causal, window=window)
+        tiles = mask_of(tq, tk, bq, bk, causal, window)
+        for i, j in itertools.product(range(tiles.shape[0]), range(tiles.shape[1])):
+            assert bool(tiles[i, j]) == bool(full[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any())
+        assert torch.equal(tile_mask(tq, tk, bq, bk, causal, window), tiles)
+
+
+def test_tile_mask_mistakes():
+    assert_fails(MASK, lambda *a, **k: tile_mask(*a, **k, diagonal=False), SQUARE,
+                 hint="skips the tiles on the diagonal")
+    assert_fails(MASK, lambda *a, **k: tile_mask(*a, **k, extra=True), SQUARE,
+                 hint="entirely above the diagonal")
+    assert_fails(MASK, lambda *a, **k: tile_mask(*a, **k, floor=True), PARTIAL,
+                 hint="floor division", message="shape")
+    assert_fails(MASK, lambda *a, **k: tile_mask(*a, **k, top_left=True), FEWER_Q,
+                 hint="aligned top-left")
+    assert_fails(MASK, lambda *a, **k: tile_mask(*a, **k, by_index=True), UNEQUAL,
+                 hint="compared block numbers")
+    assert_fails(MASK, lambda *a, **k: tile_mask(*a, **k, windowed=False), WINDOW,
+                 hint="ignored the window")
+    assert_fails(MASK, lambda *a, **k: tile_mask(*a, **k, windowed=False), TWO_SIDED,
+                 hint="ignored the window")
+
+    def one_more(tq, tk, bq, bk, is_causal=False, window=None):
+        return tile_mask(tq, tk, bq, bk, is_causal, None if window is None else window + 1)
+    assert_fails(MASK, one_more, WINDOW, hint="one position too many")
+
+
+def test_tile_mask_may_not_call_the_package():
+    def with_the_package(tq, tk, bq, bk, is_causal=False, window=None):
+        course_attn.attention_mask(tq, tk, is_causal=is_causal, window=window)
+        return tile_mask(tq, tk, bq, bk, is_causal, window)
+    assert_banned(MASK, with_the_package, "course_attn")
+
+
+# --- flash_counts --------------------------------------------------------------------------------
+
+def test_the_tile_counts_are_the_tile_masks_counts():
+    s = COUNT_SIZES
+    right = get(COUNTS).reference()
+    assert right["causal_tiles"] == int(tile_mask(s["T"], s["T"], s["block"], s["block"],
+                                                  True).sum())
+    assert right["window_tiles"] == int(tile_mask(s["T"], s["T"], s["block"], s["block"], True,
+                                                  s["W"]).sum())
+    assert right == flash_counts()
+
+
+def test_flash_counts_mistakes():
+    a, b, c, d = (case.name for case in get(COUNTS).public_cases())
+    right = flash_counts()
+
+    def answering(**wrong):
+        return lambda: {**right, **wrong}
+    assert_fails(COUNTS, answering(causal_tiles=16 * 16), a, hint="counted every tile")
+    assert_fails(COUNTS, answering(causal_tiles=16 * 15 // 2), a, hint="skipped the diagonal")
+    assert_fails(COUNTS, answering(window_tiles=sum(min(i + 1, 4) for i in range(16))), b,
+                 hint="straddles")
+    T, D = 4096, 64
+    assert_fails(COUNTS, answering(standard_elements=2 * T * T + 4 * T * D), c,
+                 hint="fewer than four times")
+    assert_fails(COUNTS, answering(standard_elements=4 * T * T), c, hint="reads of Q, K, V")
+    assert_fails(COUNTS, answering(tiled_elements=4 * T * D + T), d, hint="read K and V once")
+    assert_fails(COUNTS, answering(tiled_elements=right["tiled_elements"] - T), d,
+                 hint="log-sum-exp")
+    assert_fails(COUNTS, lambda: [1, 2, 3, 4], a, message="should return a dict")
+
+
+def test_flash_counts_never_shows_the_right_answer():
+    right = flash_counts()
+    for result in run_exercise(get(COUNTS), lambda: {k: 12345 for k in right}).results:
+        assert not result.passed and "times the right count" in result.message
+        for value in right.values():
+            assert str(value) not in result.message and f"{value:,}" not in result.message
+            assert str(value) not in result.hint
+
+
+def test_flash_counts_may_not_call_the_package():
+    def with_the_package():
+        course_attn.causal_mask(2)
+        return flash_counts()
+    assert_banned(COUNTS, with_the_package, "course_attn")
+
+
+def test_split_states_are_attention_over_each_side():
+    out_a, lse_a, out_b, lse_b = split_states(1, 1, 3, 6, 4, 4, 2, 0, dtype=torch.float64)
+    assert out_a.shape == (1, 1, 3, 4) and lse_a.shape == (1, 1, 3)
+    assert torch.isfinite(lse_a).all() and torch.isfinite(lse_b).all()
