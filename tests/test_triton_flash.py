@@ -162,6 +162,12 @@ def test_causal_never_reads_keys_above_the_diagonal():
     clean = reference(q, k, v, is_causal=True)
     torch.testing.assert_close(out[:, :, :block], clean[:, :, :block])
     assert torch.isnan(out[:, :, block:]).any()
+    # the gradient reaches q's first block through its own rows only: dq must stay clean there
+    dout = torch.zeros_like(out)
+    dout[:, :, :block] = randn(1, 1, block, 16, seed=6)
+    dq, = torch.autograd.grad(out, q, dout)
+    dq_clean, = torch.autograd.grad(clean, q, dout)
+    torch.testing.assert_close(dq[:, :, :block], dq_clean[:, :, :block])
 
 
 def test_accepts_strided_views_and_is_deterministic():
