@@ -226,11 +226,14 @@ class _Tiles:
 # --- the tiled forward and backward ------------------------------------------------------------
 
 
-def _forward(tiles: _Tiles, dv: int) -> tuple[Tensor, Tensor]:
-    """out (B, Hq, Tq, Dv) in q's dtype and lse (B, Hq, Tq) in the working dtype."""
+def _forward(tiles: _Tiles, dv: int) -> tuple[Tensor, Tensor, Tensor]:
+    """out (B, Hq, Tq, Dv) in q's dtype; each row's max score m and log l = log Σ exp(S - m)
+    (B, Hq, Tq) in the working dtype, so that lse = m + log l."""
     (b, hkv), g, work, device = tiles.batch_heads, tiles.g, tiles.work, tiles.k.device
     out = torch.zeros(b, hkv, g, tiles.tq, dv, dtype=tiles.q.dtype, device=device)
-    lse = torch.full((b, hkv, g, tiles.tq, 1), -math.inf, dtype=work, device=device)
+    row_max = torch.full((b, hkv, g, tiles.tq, 1), torch.finfo(work).min, dtype=work,
+                         device=device)
+    log_sum = torch.full((b, hkv, g, tiles.tq, 1), -math.inf, dtype=work, device=device)
     for qs, qe, key_blocks in tiles.query_blocks():
         q_rows = tiles.queries(qs, qe)                                 # (B·Hkv, G·n, D)
         # The running max m starts at the lowest finite number, not -inf, so that a row whose
@@ -248,13 +251,17 @@ def _forward(tiles: _Tiles, dv: int) -> tuple[Tensor, Tensor]:
             acc = torch.baddbmm(acc * alpha, p, tiles.v[:, ks:ke])
             m = m_new
         tiles.put(out, qs, qe, acc / torch.where(l == 0, 1.0, l))      # no key: 0, not NaN
-        tiles.put(lse, qs, qe, m + torch.log(l))                       # no key: -inf
-    return out.flatten(1, 2), lse.flatten(1, 2).squeeze(-1)
+        tiles.put(row_max, qs, qe, m)
+        tiles.put(log_sum, qs, qe, torch.log(l))                       # no key: -inf
+    return out.flatten(1, 2), *(x.flatten(1, 2).squeeze(-1) for x in (row_max, log_sum))
 
 
-def _backward(tiles: _Tiles, out: Tensor, lse: Tensor, dout: Tensor,
-              dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv from the saved out and lse, recomputing P = exp(S - lse) tile by tile.
+def _backward(tiles: _Tiles, out: Tensor, lse: Tensor, row_max: Tensor, log_sum: Tensor,
+              dout: Tensor, dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv from the saved out and lse = m + log l, recomputing P = exp(S - lse) tile by
+    tile as exp((S - m) - log l): m and log l are kept apart because their sum, rounded, loses
+    log l when |m| is large (a row whose every key carries a finfo.min mask), and P would then
+    no longer sum to 1.
 
     FlashAttention-2: D = rowsum(dO ∘ O); per tile dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP - D),
     dQ += scale · dS K, dK += scale · dSᵀ Q. A gradient dlse of the log-sum-exp adds P · dlse to
@@ -264,16 +271,21 @@ def _backward(tiles: _Tiles, out: Tensor, lse: Tensor, dout: Tensor,
     delta = (dout.to(work) * out.to(work)).sum(dim=-1)                 # (B, Hq, Tq)
     if dlse is not None:
         delta = delta - dlse
-    lse = lse.masked_fill(lse == -math.inf, 0.0)   # a row with no key has P = exp(-inf) = 0
-    as_rows = [x.unflatten(1, (hkv, g)) for x in (dout, lse.unsqueeze(-1), delta.unsqueeze(-1))]
+    # lse - lse.detach() adds 0 but keeps the output lse in the graph of a double backward.
+    # A row with no key has S = -inf, so P = exp(-inf) = 0 once its log l = -inf is made 0.
+    log_sum = torch.where(log_sum == -math.inf, 0.0, log_sum + (lse - lse.detach()))
+    as_rows = [x.unflatten(1, (hkv, g))
+               for x in (dout, row_max.unsqueeze(-1), log_sum.unsqueeze(-1), delta.unsqueeze(-1))]
     dq = torch.zeros(tiles.q.shape, dtype=work, device=tiles.k.device)  # (B, Hkv, G, Tq, D)
     dk, dv = torch.zeros_like(tiles.k), torch.zeros_like(tiles.v)      # (B·Hkv, Tk, D | Dv)
     for qs, qe, key_blocks in tiles.query_blocks():
         q_rows = tiles.queries(qs, qe)                                 # scaled, (B·Hkv, G·n, D)
-        do_rows, lse_rows, delta_rows = (tiles.rows(x, qs, qe).to(work) for x in as_rows)
+        do_rows, max_rows, log_sum_rows, delta_rows = (tiles.rows(x, qs, qe).to(work)
+                                                        for x in as_rows)
         dq_rows = torch.zeros_like(q_rows)
         for ks, ke in key_blocks:
-            p = tiles.scores(q_rows, qs, qe, ks, ke).sub_(lse_rows).exp_()   # P, recomputed
+            p = (tiles.scores(q_rows, qs, qe, ks, ke)                  # P, recomputed
+                 .sub_(max_rows).sub_(log_sum_rows).exp_())
             dv[:, ks:ke].baddbmm_(p.transpose(1, 2), do_rows)
             ds = torch.bmm(do_rows, tiles.v[:, ks:ke].transpose(1, 2)).sub_(delta_rows).mul_(p)
             dq_rows.baddbmm_(ds, tiles.k[:, ks:ke])
@@ -287,18 +299,20 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, options):
-        out, lse = _forward(_Tiles(q, k, v, attn_mask, *options), v.shape[-1])
-        ctx.save_for_backward(q, k, v, attn_mask, out, lse)
+        out, row_max, log_sum = _forward(_Tiles(q, k, v, attn_mask, *options), v.shape[-1])
+        lse = row_max + log_sum                                        # no key: -inf
+        ctx.save_for_backward(q, k, v, attn_mask, out, lse, row_max, log_sum)
         ctx.options = options
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, attn_mask, out, lse = ctx.saved_tensors
+        q, k, v, attn_mask, out, lse, row_max, log_sum = ctx.saved_tensors
         if dout is None:                               # only lse was used
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(_Tiles(q, k, v, attn_mask, *ctx.options), out, lse, dout, dlse)
+        dq, dk, dv = _backward(_Tiles(q, k, v, attn_mask, *ctx.options), out, lse, row_max,
+                               log_sum, dout, dlse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
