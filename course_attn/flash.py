@@ -371,9 +371,13 @@ def flash_decode(
     tk = k.shape[2]
     masks = ([attn_mask] * num_splits if attn_mask is None or attn_mask.shape[-1] != tk
              else attn_mask.tensor_split(num_splits, dim=-1))
-    states = [flash_attention(q, kc, vc, attn_mask=mask, scale=scale, enable_gqa=enable_gqa,
-                              return_lse=True)
+    # half precision: the chunks' outputs stay in float32 until the last merge, so that the
+    # rounding does not grow with num_splits
+    work = _accumulation_dtype(q.dtype)
+    states = [flash_attention(q.to(work), kc.to(work), vc.to(work), attn_mask=mask, scale=scale,
+                              enable_gqa=enable_gqa, return_lse=True)
               for kc, vc, mask in zip(k.tensor_split(num_splits, dim=2),
                                       v.tensor_split(num_splits, dim=2), masks)]
     out, lse = functools.reduce(lambda a, b: merge_attention_states(*a, *b), states)
+    out = out.to(v.dtype)
     return (out, lse) if return_lse else out

@@ -639,6 +639,20 @@ def test_flash_decode_with_an_empty_sequence_gives_zeros(device):
         flash_decode(q, k, v, num_splits=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_flash_decode_error_does_not_grow_with_the_splits(device, require_dtype, dtype):
+    """Half precision: the chunks merge in float32, so 45 splits err no more than "math"."""
+    require_dtype(device, dtype)
+    q, k, v = (randn(1, 4, t, 64, seed=s, device=device, dtype=torch.float64)
+               for s, t in ((0, 1), (1, 2000), (2, 2000)))
+    exact = math_attention(q, k, v)
+    math_error = (math_attention(*(x.to(dtype) for x in (q, k, v))).double() - exact).abs().max()
+    for num_splits in (4, 45):
+        out = flash_decode(*(x.to(dtype) for x in (q, k, v)), num_splits=num_splits)
+        assert out.dtype == dtype
+        assert (out.double() - exact).abs().max() <= 1.5 * math_error + 1e-6
+
+
 # ---------------------------------------------------------------- memory
 
 
