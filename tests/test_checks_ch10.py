@@ -1,0 +1,327 @@
+"""Chapter 10's exercises: each typical mistake fails the case meant for it with its own hint, and a
+banned call is reported by name; the references are what the package's linear attention computes.
+What every exercise must satisfy (the reference and the solution pass public and hidden cases, a
+stub is "not answered yet", every declared mistake names itself) is tested once, for all
+chapters, in test_exercises_conformance.py.
+
+The wrong solutions below are written as a student would write them; each test names the case
+it must fail and a fragment of the hint it must get.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import course_attn
+from course_attn.grading import get, run_exercise
+from course_attn.grading.ch10 import COST_SIZES, LLAMA2_7B, chunk_case, random_state
+from course_attn.grading.exercise import hidden_cases, load_hidden
+from course_attn.linear import elu_features, linear_attention, linear_attention_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+from check_support import assert_banned, assert_fails, results  # noqa: E402
+
+load_hidden(Path(__file__).resolve().parents[1] / "solutions")
+
+ELU, STEP, CHUNK, COSTS = ("ch10.elu_feature_map", "ch10.recurrent_step", "ch10.chunk_step",
+                           "ch10.linear_costs")
+
+
+# --- solutions as in solutions/10_linear_attention.ipynb -----------------------------------------
+
+def elu_feature_map(x, *, plus_one=True):
+    """The solution; ``plus_one=False`` is elu alone, the typical mistake."""
+    out = torch.where(x > 0, x, torch.exp(torch.clamp(x, max=0)) - 1)
+    return out + 1 if plus_one else out
+
+
+def recurrent_step(fq, fk, v, s, z, *, update_first=True, normalise=True, in_place=False):
+    """The solution; the keywords make it one typical mistake or another."""
+    s_new = s + fk.unsqueeze(-1) * v.unsqueeze(-2)
+    z_new = z + fk
+    s_read, z_read = (s_new, z_new) if update_first else (s, z)
+    out = (fq.unsqueeze(-2) @ s_read).squeeze(-2)
+    if normalise:
+        out = out / (fq * z_read).sum(-1, keepdim=True)
+    if in_place:
+        s.copy_(s_new)
+        z.copy_(z_new)
+        return out, s, z
+    return out, s_new, z_new
+
+
+def chunk_step(fq, fk, v, s, z, *, causal=True, carry_before=True, normalise=True):
+    """The solution; the keywords make it one typical mistake or another."""
+    s_new = s + fk.transpose(-2, -1) @ v
+    z_new = z + fk.sum(-2)
+    s_read, z_read = (s, z) if carry_before else (s_new, z_new)
+    weights = fq @ fk.transpose(-2, -1)
+    if causal:
+        weights = weights.tril()
+    num = fq @ s_read + weights @ v
+    den = (fq * z_read.unsqueeze(-2)).sum(-1) + weights.sum(-1)
+    return (num / den.unsqueeze(-1) if normalise else num), s_new, z_new
+
+
+def linear_costs():
+    T, D, L, H, nbytes = 4096, 128, 32, 32, 2
+    crossover = 2 * 256 * 128 // (256 + 128) + 1
+    return {"quadratic_macs": T * T * 2 * D, "linear_macs": 2 * T * D * D,
+            "crossover_length": crossover, "kv_cache_bytes": 2 * L * H * T * D * nbytes,
+            "state_bytes": L * H * (D * D + D) * nbytes}
+
+
+@pytest.mark.parametrize("key, fn", [(ELU, elu_feature_map), (STEP, recurrent_step),
+                                     (CHUNK, chunk_step), (COSTS, linear_costs)])
+def test_the_notebooks_solutions_pass_with_the_watch_on(key, fn):
+    for cases in [None] + [hidden_cases(key, seed) or None for seed in range(5)]:
+        judgement = run_exercise(get(key), fn, cases)
+        assert judgement.passed, (judgement.banned, [(r.name, r.message) for r in
+                                                     judgement.results if not r.passed])
+
+
+# --- elu_feature_map -----------------------------------------------------------------------------
+
+RANGE = "a vector of 7 values from -3 to 3"
+
+
+def test_the_feature_map_reference_is_elu_plus_one_and_positive():
+    x = torch.linspace(-30, 30, 61, dtype=torch.float64)
+    out = get(ELU).reference(x)
+    torch.testing.assert_close(out, F.elu(x) + 1)
+    torch.testing.assert_close(out, elu_feature_map(x))
+    assert (out > 0).all()
+    assert course_attn.linear.feature_map_fn("elu", 4) is course_attn.linear.elu_features
+
+
+def test_elu_feature_map_mistakes():
+    assert_fails(ELU, lambda x: elu_feature_map(x, plus_one=False), RANGE,
+                 hint="left out the + 1")
+    assert_fails(ELU, lambda x: x + 1, RANGE, hint="x + 1 everywhere")
+    assert_fails(ELU, torch.exp, RANGE, hint="exp(x) everywhere")
+    assert_fails(ELU, lambda x: torch.where(x > 0, x, torch.zeros_like(x)), RANGE,
+                 hint="you used relu:")
+    assert_fails(ELU, lambda x: torch.where(x > 0, x + 1, torch.ones_like(x)), RANGE,
+                 hint="relu plus one")
+    assert_fails(ELU, lambda x: elu_feature_map(x.float()),
+                 "float64", message="has dtype torch.float32")
+
+
+def test_elu_feature_map_may_not_call_pytorchs_elu_or_the_package():
+    assert_banned(ELU, lambda x: F.elu(x) + 1, "torch.nn.functional.elu")
+    assert_banned(ELU, lambda x: torch.nn.ELU()(x) + 1, "torch.nn")
+    assert_banned(ELU, course_attn.linear.elu_features, "course_attn")
+
+
+# --- recurrent_step ------------------------------------------------------------------------------
+
+FIRST = "the first token: an empty state (s = 0, z = 0); B=1, H=2, D'=Dv=4"
+AFTER = "a token after 5 others; B=1, H=2, D'=Dv=4"
+
+
+def test_the_step_reference_decodes_like_the_package():
+    """Steps from an empty state, token by token, give causal linear attention, and the state
+    ``linear_attention_step`` keeps."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 9, n, generator=g, dtype=torch.float64) for n in (4, 4, 5))
+    expected = linear_attention(q, k, v, causal=True, form="quadratic")
+    fq, fk = elu_features(q), elu_features(k)
+    s, z = torch.zeros(2, 3, 4, 5, dtype=torch.float64), torch.zeros(2, 3, 4, dtype=torch.float64)
+    state, outs = None, []
+    for t in range(9):
+        token = (fq[:, :, t], fk[:, :, t], v[:, :, t])
+        mine = recurrent_step(*token, s, z)
+        out, s, z = get(STEP).reference(*token, s, z)
+        torch.testing.assert_close(mine, (out, s, z))
+        step_out, state = linear_attention_step(q[:, :, t:t + 1], k[:, :, t:t + 1],
+                                                v[:, :, t:t + 1], state)
+        torch.testing.assert_close(out, step_out[:, :, 0])
+        outs.append(out)
+    torch.testing.assert_close(torch.stack(outs, 2), expected)
+    torch.testing.assert_close((s, z), (state.s, state.z))
+
+
+def test_recurrent_step_mistakes():
+    # the state updated after the output: the query misses its own token
+    assert_fails(STEP, lambda *a: recurrent_step(*a, update_first=False), AFTER,
+                 hint="read the state before the token was added")
+    assert_fails(STEP, lambda *a: recurrent_step(*a, update_first=False), FIRST,
+                 hint="read the state before the token was added")
+    assert_fails(STEP, lambda *a: recurrent_step(*a, normalise=False), AFTER,
+                 hint="left out the normaliser")
+
+    def z_forgotten(fq, fk, v, s, z):
+        out, s_new, _ = recurrent_step(fq, fk, v, s, z - fk)   # reads z, returns it unchanged
+        return out, s_new, z
+    assert_fails(STEP, z_forgotten, AFTER, hint="did not add φ(k) to z")
+    assert_fails(STEP, lambda fq, fk, v, s, z: (recurrent_step(fq, fk, v, s, z)[0], s, z), AFTER,
+                 hint="returned the state you were given")
+
+    def outer_product_transposed(fq, fk, v, s, z):
+        s_new = s + v.unsqueeze(-1) * fk.unsqueeze(-2)           # v φ(k)ᵀ: (Dv, D')
+        out = (fq.unsqueeze(-2) @ s_new).squeeze(-2) / (fq * (z + fk)).sum(-1, keepdim=True)
+        return out, s_new, z + fk
+    assert_fails(STEP, outer_product_transposed, AFTER, message="differs from the expected one")
+
+
+def test_a_step_that_updates_the_state_in_place_is_told_so():
+    """The task says to return new tensors: the grader's inputs must stay as they were sent."""
+    found = results(STEP, lambda *a: recurrent_step(*a, in_place=True))
+    assert not found[AFTER].passed and "in place" in found[AFTER].message
+
+
+def test_recurrent_step_may_not_call_the_package():
+    def with_the_package(fq, fk, v, s, z):
+        state = course_attn.linear.LinearAttentionState(s, z).add(fk, v)
+        return state.read(fq), state.s, state.z
+    assert_banned(STEP, with_the_package, "course_attn")
+
+
+# --- chunk_step ----------------------------------------------------------------------------------
+
+CHUNK_FIRST = "the first chunk: an empty carry; C=4, B=1, H=2, D'=Dv=4"
+CHUNK_AFTER = "a chunk of 4 after 8 tokens; B=1, H=2, D'=Dv=4"
+ONE = "a chunk of one token after 6"
+
+
+def test_chunk_steps_in_a_row_are_the_packages_chunked_form():
+    """Chunks of 4 over 13 tokens, each from the carry the one before left, give
+    ``linear_attention(..., form="chunked")``; the reference does too."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 13, n, generator=g, dtype=torch.float64) for n in (3, 3, 2))
+    expected = linear_attention(q, k, v, causal=True, form="chunked", chunk_size=4)
+    fq, fk = elu_features(q), elu_features(k)
+    for fn in (chunk_step, get(CHUNK).reference):
+        s, z = torch.zeros(1, 2, 3, 2, dtype=torch.float64), torch.zeros(1, 2, 3,
+                                                                          dtype=torch.float64)
+        outs = []
+        for start in range(0, 13, 4):
+            chunk = slice(start, start + 4)
+            out, s, z = fn(fq[:, :, chunk], fk[:, :, chunk], v[:, :, chunk], s, z)
+            outs.append(out)
+        torch.testing.assert_close(torch.cat(outs, dim=2), expected)
+        torch.testing.assert_close(s, fk.transpose(-2, -1) @ v)
+
+
+def test_the_case_states_are_those_of_random_tokens():
+    s, z = random_state(1, 2, 4, 3, 0, seed=0)
+    assert not s.any() and not z.any() and s.shape == (1, 2, 4, 3) and z.shape == (1, 2, 4)
+    case = chunk_case("x", 1, 1, 2, 3, 3, 5, seed=0)
+    assert all((t > 0).all() for t in (case.args[0], case.args[1], case.args[4]))
+
+
+def test_chunk_step_mistakes():
+    # a chunk that leaks its own future: no causal mask inside the chunk
+    assert_fails(CHUNK, lambda *a: chunk_step(*a, causal=False), CHUNK_FIRST,
+                 hint="leaks its own future")
+    assert_fails(CHUNK, lambda *a: chunk_step(*a, causal=False), CHUNK_AFTER,
+                 hint="leaks its own future")
+    # the carry including the current chunk
+    assert_fails(CHUNK, lambda *a: chunk_step(*a, carry_before=False), CHUNK_AFTER,
+                 hint="carry already holds the current chunk")
+    assert_fails(CHUNK, lambda *a: chunk_step(*a, normalise=False), CHUNK_AFTER,
+                 hint="left out the normaliser")
+
+    def strict_mask(fq, fk, v, s, z):
+        weights = (fq @ fk.transpose(-2, -1)).tril(-1)
+        num = fq @ s + weights @ v
+        den = (fq * z.unsqueeze(-2)).sum(-1) + weights.sum(-1)
+        return num / den.unsqueeze(-1), s + fk.transpose(-2, -1) @ v, z + fk.sum(-2)
+    assert_fails(CHUNK, strict_mask, CHUNK_AFTER, hint="drops the diagonal")
+
+    def carry_not_in_denominator(fq, fk, v, s, z):
+        weights = (fq @ fk.transpose(-2, -1)).tril()
+        num = fq @ s + weights @ v
+        return num / weights.sum(-1, keepdim=True), s + fk.transpose(-2, -1) @ v, z + fk.sum(-2)
+    assert_fails(CHUNK, carry_not_in_denominator, CHUNK_AFTER, hint="leaves out the carry")
+    assert_fails(CHUNK, lambda fq, fk, v, s, z: (chunk_step(fq, fk, v, s, z)[0], s, z),
+                 CHUNK_AFTER, hint="returned the carry you were given")
+
+
+def test_a_chunk_of_one_token_has_no_future_to_leak():
+    found = results(CHUNK, lambda *a: chunk_step(*a, causal=False))
+    assert found[ONE].passed and not found[CHUNK_AFTER].passed
+
+
+def test_chunk_step_may_not_call_the_package_or_sdpa():
+    def with_the_package(fq, fk, v, s, z):
+        state, outs = course_attn.linear.LinearAttentionState(s, z), []
+        for i in range(fq.shape[2]):
+            state = state.add(fk[:, :, i], v[:, :, i])
+            outs.append(state.read(fq[:, :, i]))
+        return torch.stack(outs, 2), state.s, state.z
+    assert_banned(CHUNK, with_the_package, "course_attn")
+
+    def with_sdpa(fq, fk, v, s, z):
+        out, s_new, z_new = chunk_step(fq, fk, v, s, z)
+        F.scaled_dot_product_attention(fq, fk, v)
+        return out, s_new, z_new
+    assert_banned(CHUNK, with_sdpa, "torch.nn.functional.scaled_dot_product_attention")
+
+
+# --- linear_costs --------------------------------------------------------------------------------
+
+def test_the_costs_are_what_flop_counter_mode_counts():
+    """The multiply-add formulas of (a) and (b), checked with FlopCounterMode (2 FLOPs per
+    multiply-add) on small sizes, and the crossover by brute force."""
+    from torch.utils.flop_counter import FlopCounterMode
+    t, d, dv = 48, 12, 5
+    fq, fk, v = torch.rand(t, d), torch.rand(t, d), torch.rand(t, dv)
+    for order, expected in (("quadratic", t * t * (d + dv)), ("linear", 2 * t * d * dv)):
+        with FlopCounterMode(display=False) as flops:
+            (fq @ fk.T) @ v if order == "quadratic" else fq @ (fk.T @ v)
+        assert flops.get_total_flops() == 2 * expected
+    answers = get(COSTS).reference()
+    first = next(t for t in range(1, 1000) if 2 * t * 256 * 128 < t * t * (256 + 128))
+    assert answers["crossover_length"] == first == 171
+    assert answers["kv_cache_bytes"] == 2 * 2 ** 30                 # 2 GiB at 4096 tokens
+    assert LLAMA2_7B["context"] == COST_SIZES["T"]
+
+
+def test_the_state_bytes_are_what_the_package_state_holds():
+    k, v = torch.randn(1, 32, 10, 128, dtype=torch.bfloat16), torch.randn(1, 32, 10, 128,
+                                                                          dtype=torch.bfloat16)
+    state = course_attn.linear.linear_attention_state(k.float(), v.float())
+    per_layer = (state.s.numel() + state.z.numel()) * 2               # bf16: 2 bytes
+    assert get(COSTS).reference()["state_bytes"] == LLAMA2_7B["n_layers"] * per_layer
+
+
+def test_linear_costs_mistakes():
+    a, b, c, d, e = (case.name for case in get(COSTS).public_cases())
+    right = linear_costs()
+
+    def answering(**wrong):
+        return lambda: {**right, **wrong}
+    T, D = 4096, 128
+    assert_fails(COSTS, answering(quadratic_macs=T * T * D), a, hint="only the scores")
+    assert_fails(COSTS, answering(linear_macs=T * D * D), b, hint="only φ(K)ᵀ V")
+    assert_fails(COSTS, answering(crossover_length=129), c, hint="D' = Dv")
+    assert_fails(COSTS, answering(crossover_length=170), c, hint="crossing itself")
+    assert_fails(COSTS, answering(kv_cache_bytes=right["kv_cache_bytes"] // 2), d,
+                 hint="keys only")
+    assert_fails(COSTS, answering(kv_cache_bytes=right["kv_cache_bytes"] * 2,
+                                  state_bytes=right["state_bytes"] * 2), d,
+                 hint="4 bytes per number")
+    assert_fails(COSTS, answering(state_bytes=32 * 32 * D * D * 2), e, hint="left out z")
+    assert_fails(COSTS, answering(state_bytes=right["state_bytes"] * T), e,
+                 hint="grows with the length")
+    assert_fails(COSTS, lambda: [1, 2, 3, 4, 5], a, message="should return a dict")
+
+
+def test_linear_costs_never_shows_the_right_answer():
+    right = linear_costs()
+    for result in run_exercise(get(COSTS), lambda: {k: 12345 for k in right}).results:
+        assert not result.passed
+        for value in right.values():
+            if value > 1000:
+                assert str(value) not in result.message and f"{value:,}" not in result.message
+
+
+def test_linear_costs_may_not_call_the_package():
+    def with_the_package():
+        course_attn.causal_mask(2)
+        return linear_costs()
+    assert_banned(COSTS, with_the_package, "course_attn")
