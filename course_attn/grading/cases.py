@@ -67,6 +67,23 @@ def expect_tensor(actual, expected: torch.Tensor, case=None, *, rtol: float | No
                              f"{worst:.3g}{nan}")
 
 
+def expect_tensors(names):
+    """Compare a tuple of tensors named ``names`` item by item, as ``expect_tensor`` does; a
+    wrong item is named in the message (e.g. "acc: your result has shape ...")."""
+    def compare(actual, expected, case=None) -> None:
+        if not isinstance(actual, (tuple, list)) or len(actual) != len(names):
+            raise AssertionError(f"your function should return a tuple ({', '.join(names)}), "
+                                 f"got {type(actual).__name__}"
+                                 + (f" of length {len(actual)}"
+                                    if isinstance(actual, (tuple, list)) else ""))
+        for name, got, want in zip(names, actual, expected):
+            try:
+                expect_tensor(got, want, case)
+            except AssertionError as error:
+                raise AssertionError(f"{name}: {error}") from None
+    return compare
+
+
 def expect_close_tensor(rtol: float, atol: float):
     """``expect_tensor`` with these tolerances (for an answer computed another, valid way)."""
     def compare(actual, expected, case=None):

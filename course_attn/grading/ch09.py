@@ -26,7 +26,7 @@ import torch
 from ..attention import softmax
 from ..flash import merge_attention_states
 from ..masks import causal_mask, sliding_window_mask
-from .cases import Questions, as_number, expect_tensor, randn, random_mask
+from .cases import Questions, as_number, expect_tensor, expect_tensors, randn, random_mask
 from .ch01 import NO_LIBRARY_SOFTMAX
 from .exercise import Case, Exercise, Mistake, register
 
@@ -36,37 +36,6 @@ NO_SOFTMAX_OR_LSE = ("course_attn",) + NO_LIBRARY_SOFTMAX + (
     "torch.logsumexp", "torch.Tensor.logsumexp", "torch.special.logsumexp",
     "torch.log_softmax", "torch.Tensor.log_softmax", "torch.nn.functional.log_softmax",
     "torch.special.log_softmax")
-
-
-def _shared_nans_zeroed(a, b):
-    """``a`` and ``b`` with 0 where both are NaN (how two wrong answers are recognised as the
-    same; the references never hold NaN)."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
-            and a.dtype == b.dtype and b.is_floating_point():
-        both = a.isnan() & b.isnan()
-        if both.any():
-            device = getattr(a, "grading_device", None)
-            a, b = a.masked_fill(both, 0.0), b.masked_fill(both, 0.0)
-            if device is not None:
-                a.grading_device = device
-    return a, b
-
-
-def expect_tensors(names):
-    """Compare a tuple of tensors named ``names`` item by item, as ``expect_tensor`` does."""
-    def compare(actual, expected, case=None) -> None:
-        if not isinstance(actual, (tuple, list)) or len(actual) != len(names):
-            raise AssertionError(f"your function should return a tuple ({', '.join(names)}), "
-                                 f"got {type(actual).__name__}"
-                                 + (f" of length {len(actual)}"
-                                    if isinstance(actual, (tuple, list)) else ""))
-        for name, got, want in zip(names, actual, expected):
-            got, want = _shared_nans_zeroed(got, want)
-            try:
-                expect_tensor(got, want, case)
-            except AssertionError as error:
-                raise AssertionError(f"{name}: {error}") from None
-    return compare
 
 
 def _finite_max(m):

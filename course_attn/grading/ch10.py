@@ -24,9 +24,8 @@ import math
 import torch
 
 from ..linear import EPS, LinearAttentionState, elu_features
-from .cases import Questions, as_number, expect_tensor, randn
+from .cases import Questions, as_number, expect_tensor, expect_tensors, randn
 from .ch01 import NO_LIBRARY_ATTENTION
-from .ch09 import expect_tensors
 from .exercise import Case, Exercise, Mistake, register
 
 NO_LIBRARY_ELU = ("course_attn", "torch.nn.functional.elu", "torch.nn.functional.elu_",

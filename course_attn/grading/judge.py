@@ -88,9 +88,11 @@ def describe_error(error: dict) -> str:
 
 
 def _without_shared_nans(a, b):
-    """``a`` and ``b`` with 0 where both hold NaN (tensors of one shape and dtype, or lists of
-    one length); anything else unchanged. The references never hold NaN, but typical mistakes do
-    (exp overflowing to inf / inf, a row of -inf giving 0 / 0)."""
+    """``a`` and ``b`` with 0 where both hold NaN: floats, tensors of one shape and dtype, and
+    tuples or lists of one length, item by item; anything else unchanged. The references never
+    hold NaN, but typical mistakes do (exp overflowing to inf / inf, a row of -inf giving 0 / 0)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return 0.0, 0.0
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
             a.dtype == b.dtype and b.is_floating_point():
         both = a.isnan() & b.isnan()
@@ -99,11 +101,9 @@ def _without_shared_nans(a, b):
             a, b = a.masked_fill(both, 0.0), b.masked_fill(both, 0.0)
             if device is not None:
                 a.grading_device = device
-    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        both = [isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)
-                for x, y in zip(a, b)]
-        a = [0.0 if nan else x for x, nan in zip(a, both)]
-        b = [0.0 if nan else y for y, nan in zip(b, both)]
+    elif isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
+        pairs = [_without_shared_nans(x, y) for x, y in zip(a, b)]
+        a, b = type(a)(x for x, _ in pairs), type(b)(y for _, y in pairs)
     return a, b
 
 
