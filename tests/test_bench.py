@@ -202,7 +202,8 @@ def test_help_says_what_each_option_means_and_its_default(capsys):
     names = [e.split()[0].rstrip(",") for e in entries]
     assert names == ["-seq-lens", "-batch", "-heads", "-head-dim", "-dtype", "-causal",
                      "-window", "-backends", "-device", "-repeats", "-max-warmup", "-json",
-                     "-decode", "-new-tokens", "-prompt-len", "-cache-lens", "-model-backend"]
+                     "-decode", "-new-tokens", "-prompt-len", "-cache-lens", "-model-backend",
+                     "-linear", "-chunk-size", "-feature-map", "-step-lens"]
     for entry in entries:
         words = " ".join(entry.split())
         assert "(default: " in words, f"no default in: {words}"
