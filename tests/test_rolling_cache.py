@@ -4,19 +4,19 @@ in a buffer allocated once, never overflows, and refuses bad input; decoding thr
 and with sinks equals full attention under the mask "in the window OR one of the first sinks"."""
 
 import copy
-import math
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
 
 import course_attn.backends as backends
 from course_attn.kv_cache import KVCache
 from course_attn.local import RollingKVCache
-from course_attn.model import GPT, GPTConfig, generate
+from course_attn.model import generate
 from course_attn.multihead import MultiHeadAttention
+
+from test_decode import gpt as decode_gpt                  # a sibling test module
 
 seeds = st.integers(0, 2 ** 31 - 1)
 
@@ -231,19 +231,11 @@ def test_new_rolling_cache_follows_the_module(device):
 # ---------------------------------------------------------------- GPT and generate
 
 def gpt(device="cpu", seed=0, **options):
-    """A tiny float64 GPT with window 8 and RoPE; weights large enough for clear greedy winners."""
-    config = dict(vocab_size=13, seq_len=16, d_model=16, n_heads=4, n_layers=2, window=8,
-                  position="rope", n_kv_heads=2)
+    """test_decode's tiny GPT with clear greedy winners, here in float64 with window 8, RoPE
+    and GQA."""
+    config = dict(seq_len=16, window=8, position="rope", n_kv_heads=2)
     config.update(options)
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(**config))
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=1.5 / math.sqrt(module.in_features))
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=1.0)
-    return model.to(device, torch.float64).eval()
+    return decode_gpt(seed=seed, device=device, **config).double()
 
 
 def tokens(b, t, seed=0, device="cpu"):
