@@ -161,3 +161,29 @@ class Questions:
                 raise AssertionError(f"your dict has no key {key!r}")
             if not self.same(key, actual[key], expected[key]):
                 raise AssertionError(self.wrong(key, actual[key], expected[key]))
+
+
+def count_questions(questions: dict, *, rel_tol: float = 1e-9, direction_only: tuple = (),
+                    near_miss: bool = False) -> Questions:
+    """``Questions`` whose answers are counts (multiply-adds, bytes, tiles, lengths): an answer is
+    right within ``rel_tol``. A wrong one is told how far off it is as a ratio to the right
+    count, which does not give the count away; for the keys in ``direction_only`` (a crossing
+    length, where a ratio would) only whether it is too large or too small. With
+    ``near_miss``, an answer within 0.1% is told so, instead of a ratio that rounds to 1."""
+    def same(key, actual, expected) -> bool:
+        got = as_number(actual)
+        return got is not None and math.isclose(got, expected, rel_tol=rel_tol)
+
+    def wrong(key, actual, expected) -> str:
+        got = as_number(actual)
+        if got is None:
+            return f"{key!r} should be a number, got {type(actual).__name__}"
+        direction = "too large" if got > expected else "too small"
+        if key in direction_only:
+            return f"your {key!r} is {direction}"
+        if near_miss and abs(got / expected - 1) < 1e-3:
+            return f"your {key!r} is a little {direction} (by less than 0.1%)"
+        return f"your {key!r} is {got / expected:.4g} times the right count"
+
+    return Questions(questions, same=same, wrong=wrong)
+

@@ -20,7 +20,7 @@ import torch
 
 from ..attention import scaled_dot_product_attention
 from ..multihead import merge_heads, split_heads
-from .cases import Questions, as_number, expect_close_tensor, expect_tensor, randn
+from .cases import count_questions, expect_close_tensor, expect_tensor, randn
 from .ch01 import NO_LIBRARY_ATTENTION
 from .exercise import Case, Exercise, Mistake, register
 
@@ -237,17 +237,7 @@ def mha_cost_reference(C=COST_SIZES["C"], H=COST_SIZES["H"], T=COST_SIZES["T"]):
     }
 
 
-def _count_off_by(key, actual, expected) -> str:
-    got = as_number(actual)
-    if got is None:
-        return f"{key!r} should be a number, got {type(actual).__name__}"
-    return f"your {key!r} is {got / expected:.4g} times the right count"
-
-
-# A wrong count is reported as a ratio, which says how far off it is without giving the answer.
-COSTS = Questions(COST_QUESTIONS, same=lambda key, actual, expected: (
-    as_number(actual) is not None and math.isclose(as_number(actual), expected, rel_tol=1e-9)),
-    wrong=_count_off_by)
+COSTS = count_questions(COST_QUESTIONS)
 
 
 def _costing(**wrong):

@@ -24,7 +24,7 @@ from ..attention import scaled_dot_product_attention
 from ..kv_cache import KVCache
 from ..masks import causal_mask
 from ..rope import apply_rotary_emb
-from .cases import Questions, as_number, expect_tensor, randn
+from .cases import count_questions, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
 from .ch01 import NO_LIBRARY_ATTENTION
 
@@ -307,16 +307,7 @@ def decode_savings_reference():
     return _savings()
 
 
-def _count_off_by(key, actual, expected) -> str:
-    got = as_number(actual)
-    if got is None:
-        return f"{key!r} should be a number, got {type(actual).__name__}"
-    return f"your {key!r} is {got / expected:.4g} times the right count"
-
-
-SAVINGS = Questions(SAVING_QUESTIONS, same=lambda key, actual, expected: (
-    as_number(actual) is not None and math.isclose(as_number(actual), expected, rel_tol=1e-9)),
-    wrong=_count_off_by)
+SAVINGS = count_questions(SAVING_QUESTIONS)
 
 
 def _answering(**wrong):

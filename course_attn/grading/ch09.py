@@ -19,14 +19,12 @@ written out below; ``course_attn.masks`` reduced over blocks; the counts from th
 chapter.
 """
 
-import math
-
 import torch
 
 from ..attention import softmax
 from ..flash import merge_attention_states
 from ..masks import causal_mask, sliding_window_mask
-from .cases import Questions, as_number, expect_tensor, expect_tensors, randn, random_mask
+from .cases import count_questions, expect_tensor, expect_tensors, randn, random_mask
 from .ch01 import NO_LIBRARY_SOFTMAX
 from .exercise import Case, Exercise, Mistake, register
 
@@ -500,16 +498,7 @@ def flash_counts_reference():
     return _counts()
 
 
-def _off_by(key, actual, expected) -> str:
-    got = as_number(actual)
-    if got is None:
-        return f"{key!r} should be a number, got {type(actual).__name__}"
-    return f"your {key!r} is {got / expected:.4g} times the right count"
-
-
-COUNTS = Questions(COUNT_QUESTIONS, same=lambda key, actual, expected: (
-    as_number(actual) is not None and math.isclose(as_number(actual), expected, rel_tol=1e-9)),
-    wrong=_off_by)
+COUNTS = count_questions(COUNT_QUESTIONS)
 
 
 def _answering(**wrong):

@@ -19,12 +19,10 @@ References: ``course_attn.linear.elu_features``; ``course_attn.linear.LinearAtte
 2·T·D'·Dv, and the sizes 2·L·H·T·D and L·H·(D'·Dv + D').
 """
 
-import math
-
 import torch
 
 from ..linear import EPS, LinearAttentionState, elu_features
-from .cases import Questions, as_number, expect_tensor, expect_tensors, randn
+from .cases import count_questions, expect_tensor, expect_tensors, randn
 from .ch01 import NO_LIBRARY_ATTENTION
 from .exercise import Case, Exercise, Mistake, register
 
@@ -288,21 +286,8 @@ def linear_costs_reference():
     return _costs()
 
 
-def _cost_off_by(key, actual, expected) -> str:
-    got = as_number(actual)
-    if got is None:
-        return f"{key!r} should be a number, got {type(actual).__name__}"
-    direction = "too large" if got > expected else "too small"
-    if key == "crossover_length":
-        return f"your {key!r} is {direction}"
-    if abs(got / expected - 1) < 1e-3:
-        return f"your {key!r} is a little {direction} (by less than 0.1%)"
-    return f"your {key!r} is {got / expected:.4g} times the right count"
-
-
-COSTS = Questions(COST_QUESTIONS, same=lambda key, actual, expected: (
-    as_number(actual) is not None and math.isclose(as_number(actual), expected, rel_tol=1e-12)),
-    wrong=_cost_off_by)
+COSTS = count_questions(COST_QUESTIONS, rel_tol=1e-12, direction_only=("crossover_length",),
+                        near_miss=True)
 
 
 def _answering(**wrong):

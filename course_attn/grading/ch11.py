@@ -25,7 +25,7 @@ import torch
 
 from ..attention import scaled_dot_product_attention
 from ..masks import query_key_offsets, sliding_window_mask
-from .cases import Questions, as_number, expect_tensor, randn
+from .cases import count_questions, as_number, expect_tensor, randn
 from .ch01 import NO_LIBRARY_ATTENTION
 from .ch03 import NO_LIBRARY_MASKS
 from .exercise import Case, Exercise, Mistake, register
@@ -300,21 +300,8 @@ def window_budget_reference():
     return _budget()
 
 
-def _budget_off_by(key, actual, expected) -> str:
-    got = as_number(actual)
-    if got is None:
-        return f"{key!r} should be a number, got {type(actual).__name__}"
-    direction = "too large" if got > expected else "too small"
-    if key == "layers_to_cover":
-        return f"your {key!r} is {direction}"
-    if abs(got / expected - 1) < 1e-3:
-        return f"your {key!r} is a little {direction} (by less than 0.1%)"
-    return f"your {key!r} is {got / expected:.4g} times the right count"
-
-
-BUDGET = Questions(BUDGET_QUESTIONS, same=lambda key, actual, expected: (
-    as_number(actual) is not None and math.isclose(as_number(actual), expected, rel_tol=1e-12)),
-    wrong=_budget_off_by)
+BUDGET = count_questions(BUDGET_QUESTIONS, rel_tol=1e-12, direction_only=("layers_to_cover",),
+                         near_miss=True)
 
 
 def _answering(**wrong):
