@@ -18,6 +18,8 @@ from course_attn.decode_bench import (
 )
 from course_attn.model import GPT, GPTConfig, generate
 
+from test_bench import one_line_error                  # a sibling test module
+
 MIB = 2 ** 20
 TINY_DECODE = ["--decode", "--new-tokens", "2", "3", "--prompt-len", "4", "--repeats", "1",
                "--cache-lens", "8", "32", "--heads", "2", "--head-dim", "4", "--device", "cpu"]
@@ -183,14 +185,6 @@ def test_cli_decode_uses_the_model_backend(tmp_path, capsys):
     assert main(TINY_DECODE + ["--model-backend", "sdpa", "--json", str(path)]) == 0
     assert "backend='sdpa'" in capsys.readouterr().out
     assert json.loads(path.read_text())["config"]["backend"] == "sdpa"
-
-
-def one_line_error(capsys) -> str:
-    """What the command printed on stderr, checked to be a single line and nothing on stdout."""
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and err.endswith("\n"), err
-    assert err.startswith("python -m course_attn.bench: error: "), err
-    return err
 
 
 @pytest.mark.parametrize("option, value, message", [

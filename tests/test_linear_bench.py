@@ -14,6 +14,8 @@ from course_attn.linear_bench import (
     StepRow, crossover_length, format_step_table, run_linear_bench, run_step_bench,
 )
 
+from test_bench import one_line_error                  # a sibling test module
+
 MIB = 2 ** 20
 TINY = dict(heads=2, head_dim=4, repeats=1, max_warmup=2)
 TINY_CLI = ["--linear", "--seq-lens", "8", "16", "--step-lens", "4", "32", "--heads", "2",
@@ -164,14 +166,6 @@ def test_cli_linear_prints_both_tables_and_writes_json(tmp_path, capsys):
     assert all(r["batch"] == 2 and r["heads"] == 2 and r["is_causal"] for r in report["rows"])
     assert [r["seq_len"] for r in report["decode_step"]] == [4, 32]
     assert set(report["decode_step"][0]) == {f.name for f in dataclasses.fields(StepRow)}
-
-
-def one_line_error(capsys) -> str:
-    """What the command printed on stderr, checked to be a single line and nothing on stdout."""
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and err.endswith("\n"), err
-    assert err.startswith("python -m course_attn.bench: error: "), err
-    return err
 
 
 @pytest.mark.parametrize("extra, message", [
