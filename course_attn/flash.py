@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .attention import _accumulation_dtype, check_attention_inputs
-from .masks import check_window
+from .masks import check_window, key_reach
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "flash_attention", "flash_decode",
            "merge_attention_states", "online_softmax", "tile_schedule"]
@@ -104,15 +104,6 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor,
 # --- which tiles are computed ------------------------------------------------------------------
 
 
-def _key_reach(first: int, last: int, tk: int, is_causal: bool,
-               window: int | None) -> tuple[int, int]:
-    """Keys [lo, hi) that the queries at positions first .. last may see, clipped to [0, Tk)."""
-    lo = 0 if window is None else first - window + 1
-    hi = last + 1 if is_causal else (tk if window is None else last + window)
-    lo, hi = min(max(lo, 0), tk), min(max(hi, 0), tk)
-    return lo, max(lo, hi)
-
-
 def tile_schedule(tq: int, tk: int, block_q: int = DEFAULT_BLOCK_Q,
                   block_k: int = DEFAULT_BLOCK_K, is_causal: bool = False,
                   window: int | None = None) -> list[tuple[int, int]]:
@@ -134,7 +125,7 @@ def tile_schedule(tq: int, tk: int, block_q: int = DEFAULT_BLOCK_Q,
     for i in range(math.ceil(tq / block_q)):
         first = tk - tq + i * block_q                         # the block's first query position
         last = tk - tq + min((i + 1) * block_q, tq) - 1
-        lo, hi = _key_reach(first, last, tk, is_causal, window)
+        lo, hi = key_reach(first, last, tk, is_causal=is_causal, window=window)
         pairs += [(i, j) for j in range(lo // block_k, math.ceil(hi / block_k))]
     return pairs
 

@@ -26,18 +26,11 @@ from torch import Tensor
 
 from .attention import check_attention_inputs, scaled_dot_product_attention
 from .kv_cache import KVCache, _check_size
-from .masks import to_additive
+from .masks import key_reach, to_additive
 
 __all__ = ["DEFAULT_BLOCK", "RollingKVCache", "local_attention"]
 
 DEFAULT_BLOCK = 128  # queries per block; fastest on a 2-core CPU for W = 128..1024 (chapter 11)
-
-
-def _reach(first: int, last: int, tk: int, window: int, is_causal: bool) -> tuple[int, int]:
-    """The keys [lo, hi) that queries at positions first .. last may see, clipped to [0, Tk)."""
-    lo = first - window + 1
-    hi = last + 1 if is_causal else last + window
-    return min(max(lo, 0), tk), min(max(hi, 0), tk)
 
 
 def _block_bias(offset: int, n: int, m: int, window: int, is_causal: bool, mask: Tensor | None,
@@ -110,7 +103,8 @@ def local_attention(
     for qs in range(0, tq, block):
         qe = min(qs + block, tq)
         first = tk - tq + qs                                      # the first query's position
-        n, (lo, hi) = qe - qs, _reach(first, first + qe - qs - 1, tk, window, is_causal)
+        n = qe - qs
+        lo, hi = key_reach(first, first + n - 1, tk, is_causal=is_causal, window=window)
         band = (first - lo, n, hi - lo, window, is_causal)
         if attn_mask is not None:
             bias, dead = _block_bias(*band, _cut(attn_mask, qs, qe, lo, hi), (b, hkv, g), acc,

@@ -117,6 +117,17 @@ def combine_masks(*masks: Tensor | None) -> Tensor | None:
     return out
 
 
+def key_reach(first: int, last: int, tk: int, *, is_causal: bool = False,
+              window: int | None = None) -> tuple[int, int]:
+    """The keys [lo, hi) that queries at positions first .. last may see, clipped to [0, Tk):
+    what the causal mask and the window leave of keys 0 .. Tk - 1 (the rule of
+    ``structural_mask``, for a run of consecutive queries). lo == hi when they see none."""
+    lo = 0 if window is None else first - window + 1
+    hi = last + 1 if is_causal else (tk if window is None else last + window)
+    lo, hi = min(max(lo, 0), tk), min(max(hi, 0), tk)
+    return lo, max(lo, hi)
+
+
 def structural_mask(
     tq: int, tk: int, *, is_causal: bool = False, window: int | None = None, device=None
 ) -> Tensor | None:
