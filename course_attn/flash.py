@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .attention import _accumulation_dtype, check_attention_inputs
-from .masks import check_window, key_reach
+from .masks import check_window, cut_mask, key_reach, to_additive
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "flash_attention", "flash_decode",
            "merge_attention_states", "online_softmax", "tile_schedule"]
@@ -164,8 +164,7 @@ class _Tiles:
         self.q = q.unflatten(1, (hkv, self.g))                         # (B, Hkv, G, Tq, D)
         self.k = k.to(self.work).flatten(0, 1)                         # (B·Hkv, Tk, D)
         self.v = v.to(self.work).flatten(0, 1)                         # (B·Hkv, Tk, Dv)
-        self.mask = (None if attn_mask is None else          # 4-D, broadcastable to the scores
-                     attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)))
+        self.mask = attn_mask                                # broadcastable to (B, Hq, Tq, Tk)
         self.is_causal, self.window = is_causal, window
         self.block_q, self.block_k = block_q, block_k
         self._shared = {}      # structural bias by (shift, n, m): diagonal tiles share one
@@ -197,17 +196,14 @@ class _Tiles:
         n, m, shift = qe - qs, ke - ks, self.tk - self.tq + qs - ks
         if (shift, n, m) not in self._shared:
             allowed = _tile_mask(shift, n, m, self.is_causal, self.window, self.k.device)
-            self._shared[shift, n, m] = None if allowed is None else torch.zeros(
-                n, m, dtype=self.work, device=self.k.device).masked_fill(~allowed, -math.inf)
+            self._shared[shift, n, m] = (None if allowed is None
+                                         else to_additive(allowed, self.work))
         structural = self._shared[shift, n, m]                         # (n, m) or None
         if self.mask is None:
             return None if structural is None else structural.repeat(self.g, 1)   # (G·n, m)
-        mask = self.mask[:, :, qs:qe] if self.mask.shape[2] > 1 else self.mask
-        mask = mask[:, :, :, ks:ke] if mask.shape[3] > 1 else mask
-        if mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=self.work, device=mask.device).masked_fill(
-                ~mask, -math.inf)
-        mask = mask.to(self.work) if structural is None else mask.to(self.work) + structural
+        mask = to_additive(cut_mask(self.mask, qs, qe, ks, ke), self.work)
+        if structural is not None:
+            mask = mask + structural
         (b, hkv), g = self.batch_heads, self.g
         return mask.expand(b, hkv * g, n, m).reshape(b * hkv, g * n, m)
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .attention import check_attention_inputs, scaled_dot_product_attention
 from .kv_cache import KVCache, _check_size
-from .masks import key_reach, to_additive
+from .masks import cut_mask, key_reach, to_additive
 
 __all__ = ["DEFAULT_BLOCK", "RollingKVCache", "local_attention"]
 
@@ -39,7 +39,7 @@ def _block_bias(offset: int, n: int, m: int, window: int, is_causal: bool, mask:
     """The additive mask of one block and its dead rows (queries that may see no key).
 
     Query i of the block and key j of its reach lie ``offset + i - j`` positions apart. The bias
-    is 0 or -inf, plus the block's cut of a float ``attn_mask`` (``mask``, see ``_cut``); it is
+    is 0 or -inf, plus the block's cut of a float ``attn_mask`` (``mask``, see ``masks.cut_mask``); it is
     shaped for the scores' rows ``rows`` = (B, Hkv, G): (G·n, m) without a mask, else
     (B·Hkv, G·n, m). ``dead`` (same leading shape, last dim 1) is None when every row sees a key;
     dead rows get a bias of 0, so that softmax stays finite, and their output is zeroed later.
@@ -57,14 +57,6 @@ def _block_bias(offset: int, n: int, m: int, window: int, is_causal: bool, mask:
     if not bool(dead.any()):
         return bias, None
     return bias.masked_fill(dead, 0.0), dead
-
-
-def _cut(mask: Tensor, qs: int, qe: int, lo: int, hi: int) -> Tensor:
-    """Queries qs:qe and keys lo:hi of a mask broadcastable to (B, Hq, Tq, Tk), as 4-D."""
-    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    rows = slice(None) if mask.shape[2] == 1 else slice(qs, qe)
-    cols = slice(None) if mask.shape[3] == 1 else slice(lo, hi)
-    return mask[:, :, rows, cols]
 
 
 def local_attention(
@@ -107,7 +99,7 @@ def local_attention(
         lo, hi = key_reach(first, first + n - 1, tk, is_causal=is_causal, window=window)
         band = (first - lo, n, hi - lo, window, is_causal)
         if attn_mask is not None:
-            bias, dead = _block_bias(*band, _cut(attn_mask, qs, qe, lo, hi), (b, hkv, g), acc,
+            bias, dead = _block_bias(*band, cut_mask(attn_mask, qs, qe, lo, hi), (b, hkv, g), acc,
                                      q.device)
         else:
             if band not in shared:

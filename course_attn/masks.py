@@ -128,6 +128,15 @@ def key_reach(first: int, last: int, tk: int, *, is_causal: bool = False,
     return lo, max(lo, hi)
 
 
+def cut_mask(mask: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+    """Queries qs:qe and keys ks:ke of a mask broadcastable to (B, H, Tq, Tk), as a 4-D view
+    (a dim of size 1 stays 1): the part of the mask that one tile or block of queries needs."""
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    rows = slice(None) if mask.shape[2] == 1 else slice(qs, qe)
+    cols = slice(None) if mask.shape[3] == 1 else slice(ks, ke)
+    return mask[:, :, rows, cols]
+
+
 def structural_mask(
     tq: int, tk: int, *, is_causal: bool = False, window: int | None = None, device=None
 ) -> Tensor | None:
