@@ -225,14 +225,23 @@ def warm_up(timed_calls: dict[str, Callable[[], float | None]], *, max_calls: in
     return done
 
 
-def _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, names, max_warmup) -> None:
-    for name, n in (("batch", batch), ("heads", heads), ("head_dim", head_dim),
-                    ("repeats", repeats), ("max_warmup", max_warmup)):
+def _check_counts(**counts: int) -> None:
+    """ValueError naming the first of ``counts`` that is not a positive int."""
+    for name, n in counts.items():
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name} must be a positive int, got {n!r}")
-    if not seq_lens or any(isinstance(t, bool) or not isinstance(t, int) or t < 1
-                           for t in seq_lens):
-        raise ValueError(f"seq_lens must be a non-empty list of positive ints, got {seq_lens!r}")
+
+
+def _check_positive(name: str, values: Sequence[int]) -> None:
+    """ValueError unless ``values`` is a non-empty list of positive ints."""
+    if not values or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in values):
+        raise ValueError(f"{name} must be a non-empty list of positive ints, got {values!r}")
+
+
+def _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, names, max_warmup) -> None:
+    _check_counts(batch=batch, heads=heads, head_dim=head_dim, repeats=repeats,
+                  max_warmup=max_warmup)
+    _check_positive("seq_lens", seq_lens)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if not names:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .bench import MIB, _synchronize, _time_call_ms, peak_memory_bytes
+from .bench import (MIB, _check_counts, _check_positive, _synchronize, _time_call_ms,
+                    peak_memory_bytes)
 from .kv_cache import KVCache
 from .model import GPT, GPTConfig, generate
 
@@ -51,17 +52,6 @@ class CacheUpdateRow:
     inplace_us: float
     cat_us: float
     device: str
-
-
-def _check_positive(name: str, values: Sequence[int]) -> None:
-    if not values or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in values):
-        raise ValueError(f"{name} must be a non-empty list of positive ints, got {values!r}")
-
-
-def _check_counts(**counts: int) -> None:
-    for name, n in counts.items():
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
 
 
 def decode_model(config: GPTConfig | None = None, *, device=None, seed: int = 0) -> GPT:

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from .bench import (
-    BASELINE, DTYPES, MAX_WARMUP, MIB, BenchRow, _check_options, _free_cached, _Measured,
-    _measure, _time_call_ms, check_device, format_table, warm_up,
+    BASELINE, DTYPES, MAX_WARMUP, MIB, BenchRow, _check_counts, _check_options, _free_cached,
+    _Measured, _measure, _time_call_ms, check_device, format_table, warm_up,
 )
 from .device import default_device
 from .linear import FEATURE_MAPS, linear_attention, linear_attention_state, linear_attention_step
@@ -68,11 +68,6 @@ def _check_feature_map(feature_map: str) -> None:
                          f"{', '.join(FEATURE_MAPS)}")
 
 
-def _check_count(name: str, n) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{name} must be a positive int, got {n!r}")
-
-
 def run_linear_bench(
     seq_lens: Sequence[int] = (256, 512, 1024, 2048, 4096), *, batch: int = 1, heads: int = 8,
     head_dim: int = 64, chunk_size: int = 64, feature_map: str = "elu",
@@ -88,7 +83,7 @@ def run_linear_bench(
     """
     seq_lens = list(seq_lens)
     _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, [BASELINE], max_warmup)
-    _check_count("chunk_size", chunk_size)
+    _check_counts(chunk_size=chunk_size)
     _check_feature_map(feature_map)
     device = default_device() if device is None else check_device(device)
     common = dict(batch=batch, heads=heads, head_dim=head_dim,
@@ -160,7 +155,7 @@ def run_step_bench(
     """
     seq_lens = list(seq_lens)
     _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, [BASELINE], max_warmup)
-    _check_count("calls", calls)
+    _check_counts(calls=calls)
     _check_feature_map(feature_map)
     device = default_device() if device is None else check_device(device)
 
