@@ -177,6 +177,16 @@ def test_attention_mistakes():
                  "maximum", message="NaN")
 
 
+def test_a_zero_scale_taken_for_the_default_passes_every_public_case_but_no_hidden_draw():
+    def scale_or_default(q, k, v, scale=None):
+        return attention(q, k, v, scale or 1.0 / math.sqrt(q.shape[-1]))  # 0.0 is falsy
+    exercise = get("ch02.attention")
+    assert run_exercise(exercise, scale_or_default).passed
+    for seed in range(20):
+        judgement = run_exercise(exercise, scale_or_default, hidden_cases(exercise.key, seed))
+        assert not judgement.passed, f"seed {seed}: no hidden case tries scale=0.0 on two keys"
+
+
 def test_attention_may_not_call_a_library_attention():
     one_line = lambda q, k, v, scale=None: F.scaled_dot_product_attention(  # noqa: E731
         q, k, v, scale=scale)

@@ -14,7 +14,10 @@ def _shapes(gen):
 
 @hidden("ch02.attention_scores")
 def _(gen):
-    b, h, tq, tk, d = _shapes(gen)
+    b, h, tq, tk, _ = _shapes(gen)
+    d = randint(2, 16, gen)
+    if d == tq:  # D=1, or D=Tq, would hide a scale of 1/D or 1/sqrt(Tq)
+        d += 1
     yield Case(f"B={b}, H={h}, Tq={tq}, Tk={tk}, D={d}",
                (randn(b, h, tq, d, seed=gen), randn(b, h, tk, d, seed=gen)))
     yield Case("scale=2.0, no head axis", (randn(b, tq, d, seed=gen), randn(b, tk, d, seed=gen)),
@@ -23,7 +26,9 @@ def _(gen):
 
 @hidden("ch02.stable_softmax")
 def _(gen):
-    x = randn(randint(1, 5, gen), randint(1, 6, gen), randint(1, 7, gen), seed=gen, scale=400.0)
+    rows = randint(2, 6, gen)
+    # not square: rows and columns of one-hot weights would otherwise agree for a permutation
+    x = randn(randint(1, 5, gen), rows, rows + randint(1, 3, gen), seed=gen, scale=400.0)
     yield Case(f"shape {tuple(x.shape)} with entries in the hundreds, dim=-2", (x,), {"dim": -2})
     y = randn(4, 6, seed=gen, dtype=torch.float64)
     y[randint(0, 3, gen)] = float("-inf")
@@ -32,8 +37,9 @@ def _(gen):
 
 @hidden("ch02.attention")
 def _(gen):
-    b, h, tq, tk, d = _shapes(gen)
-    dv = randint(1, 9, gen)
+    b, h, tq, _, _ = _shapes(gen)
+    tk, d = randint(2, 9, gen), randint(2, 16, gen)  # one key or D=1 would hide a wrong scale
+    dv = d + randint(1, 8, gen)                        # Dv != D: a scale taken from v shows
     yield Case(f"B={b}, H={h}, Tq={tq}, Tk={tk}, D={d}, Dv={dv}",
                (randn(b, h, tq, d, seed=gen), randn(b, h, tk, d, seed=gen),
                 randn(b, h, tk, dv, seed=gen)))
@@ -47,7 +53,7 @@ def _(gen):
     from course_attn import softmax
 
     shape = (randint(1, 4, gen), randint(2, 6, gen), randint(2, 7, gen))
-    dim = randint(0, 2, gen)
+    dim = randint(0, 1, gen)  # not the last axis: the second case takes that one
     y = softmax(randn(*shape, seed=gen, scale=3.0, dtype=torch.float64), dim=dim)
     yield Case(f"shape {shape}, dim={dim}, float64", (y, randn(*shape, seed=gen,
                                                                dtype=torch.float64)),
@@ -61,9 +67,10 @@ def _(gen):
 
 @hidden("ch02.attention_cost")
 def _(gen):
-    b, h, tq, tk = randint(1, 8, gen), randint(1, 64, gen), randint(1, 4096, gen), \
+    b, h, tq, tk = randint(2, 8, gen), randint(1, 64, gen), randint(1, 4096, gen), \
         randint(1, 4096, gen)
-    d, dv = 16 * randint(1, 16, gen), 16 * randint(1, 16, gen)
+    d = 16 * randint(1, 8, gen)
+    dv = d + 16 * randint(1, 8, gen)  # B > 1 and Dv != D: leaving either out shows
     size = (1, 2, 4, 8)[randint(0, 3, gen)]
     yield Case(f"B={b}, H={h}, Tq={tq}, Tk={tk}, D={d}, Dv={dv}, {size} bytes",
                (b, h, tq, tk, d, dv, size))

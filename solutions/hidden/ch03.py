@@ -17,7 +17,7 @@ def _(gen):
 
 @hidden("ch03.padding_mask")
 def _(gen):
-    t, b = randint(1, 12, gen), randint(1, 6, gen)
+    t, b = randint(2, 12, gen), randint(1, 6, gen)  # T=1 would hide a (B, 1, T, 1) mask
     lengths = torch.randint(0, t + 1, (b,), generator=gen)
     yield Case(f"{b} random lengths, T={t}", (lengths, t))
     yield Case("int32 lengths with 0 and T", (torch.tensor([t, 0, t // 2], dtype=torch.int32), t))
@@ -33,6 +33,10 @@ def _(gen):
     mask = random_mask(b, h, tq, tk, seed=gen, p_keep=0.5)
     yield Case(f"a (B, H, Tq, Tk) random mask, Tq={tq}, Tk={tk}", (q, k, v, mask))
     yield Case("a mask that allows no key", (q, k, v, torch.zeros(tq, tk, dtype=torch.bool)))
+    t, d = randint(3, 8, gen), randint(2, 8, gen)
+    q, k, v = (randn(b, h, t, d, seed=gen, dtype=torch.float64) for _ in range(3))
+    yield Case(f"a causal mask, T={t}, D={d}",
+               (q, k, v, torch.ones(t, t, dtype=torch.bool).tril()))
 
 
 @hidden("ch03.document_mask")
@@ -45,10 +49,11 @@ def _(gen):
             ids += [n] * randint(1, 5, gen)
             n += randint(1, 7, gen)
         ids = ids[:t]
-        pad = randint(0, t // 2, gen)
+        pad = randint(1, t // 2, gen)  # no padding at all: the public cases have it
         rows.append(ids[:t - pad] + [-1] * pad)
     yield Case(f"B={b}, T={t}, random documents and padding", (torch.tensor(rows),))
-    lengths = [randint(1, 4, gen) for _ in range(randint(2, 5, gen))]
+    lengths = [randint(1, 4, gen) for _ in range(randint(1, 4, gen))]
+    lengths.insert(randint(0, len(lengths), gen), randint(2, 4, gen))  # one has a token after another
     ids = [n for n, length in enumerate(lengths) for _ in range(length)]
     yield Case(f"documents of lengths {lengths}, int32", (torch.tensor([ids], dtype=torch.int32),))
 

@@ -28,14 +28,17 @@ def _(gen):
     b, h, tq, d, dv = (randint(1, 2, gen), randint(1, 3, gen), randint(2, 5, gen),
                        randint(2, 6, gen), randint(1, 5, gen))
     tk = randint(3, 10, gen)
-    split = torch.rand(tk, generator=gen) < 0.5
+    split = torch.randperm(tk, generator=gen) < randint(1, tk - 1, gen)  # both sides hold keys
     yield Case(f"a random split of {tk} keys, B={b}, H={h}, Tq={tq}, D={d}, Dv={dv}",
-               split_states(b, h, tq, tk, d, dv, split, gen, scale=float(randint(1, 40, gen))))
+               split_states(b, h, tq, tk, d, dv, split, gen, scale=float(randint(1, 3, gen))))
     yield Case("rows empty on both sides, and one side empty",
                split_states(1, h, 4, tk, d, dv, randint(1, tk - 1, gen), gen,
                             dead_rows=(randint(0, 3, gen),), empty_side="b"))
-    yield Case("float64, large scores", split_states(1, 1, tq, tk, d, dv, randint(1, tk - 1, gen),
-                                                     gen, scale=60.0, dtype=torch.float64))
+    out_a, lse_a, out_b, lse_b = split_states(1, 1, tq, tk, d, dv, randint(1, tk - 1, gen), gen,
+                                              dtype=torch.float64)
+    shift = float(randint(800, 1200, gen))  # every score shifted: the same outputs, lse + shift
+    yield Case(f"float64, log-sum-exps near {shift:.0f}", (out_a, lse_a + shift, out_b,
+                                                           lse_b + shift))
 
 
 @hidden("ch09.tile_update")
@@ -50,19 +53,29 @@ def _(gen):
                     dead_rows=(randint(0, 3, gen),), p_keep=0.7)
     yield tile_case("float64, the max growing", 1, h, tq, bk, dv, before, gen,
                     dtype=torch.float64, shift=5.0)
+    yield tile_case(f"a tile after {before}, every score smaller: the max stays", b, h, tq, bk, dv,
+                    before, gen, shift=-float(randint(4, 8, gen)))
 
 
 @hidden("ch09.tile_mask")
 def _(gen):
-    bq, bk = randint(2, 5, gen), randint(2, 5, gen)
-    tq, tk = randint(5, 20, gen), randint(5, 20, gen)
+    # Partial last blocks, Bq != Bk, and Tk - Tq >= Bk, so that counting whole blocks, comparing
+    # block numbers or aligning top-left each changes some tile.
+    bq = randint(2, 5, gen)
+    bk = bq + randint(1, 3, gen)
+    tq = bq * randint(1, 4, gen) + randint(1, bq - 1, gen)
+    tk = tq + bk * randint(1, 2, gen) + randint(0, bk - 1, gen)
+    if tk % bk == 0:
+        tk += 1
     yield Case(f"causal, Tq={tq}, Tk={tk}, blocks {bq} x {bk}", (tq, tk, bq, bk),
                dict(is_causal=True))
-    t, b = randint(9, 24, gen), randint(2, 4, gen)
+    b = randint(2, 4, gen)
+    t = b * randint(5, 7, gen) + randint(1, b - 1, gen)
     yield Case(f"causal, {t} x {t} in blocks of {b}", (t, t, b, b), dict(is_causal=True))
     w = randint(2, 7, gen)
     yield Case(f"causal, a window of {w}, Tq={tq}, Tk={tk}, blocks {bq} x {bk}",
                (tq, tk, bq, bk), dict(is_causal=True, window=w))
+    w = b * randint(1, 3, gen) + 1  # the nearest query and key of some tile are exactly W apart
     yield Case(f"a window of {w} without causality, {t} x {t}, blocks of {b}", (t, t, b, b),
                dict(is_causal=False, window=w))
 

@@ -20,10 +20,11 @@ def _(gen):
 
 @hidden("ch11.rolling_index")
 def _(gen):
-    size = randint(3, 9, gen)
-    sinks = randint(1, size - 2, gen)
-    rolling = size - sinks
-    for position in (randint(0, sinks - 1, gen), sinks + rolling * randint(1, 5, gen),
+    rolling = randint(2, 7, gen)
+    # sinks not a multiple of rolling: there, a turn counted from 0 or from `sinks` would agree
+    sinks = rolling * randint(0, 1, gen) + randint(1, rolling - 1, gen)
+    size = sinks + rolling
+    for position in (randint(0, sinks - 1, gen), size, sinks + rolling * randint(1, 5, gen),
                      sinks + randint(1, rolling - 1, gen) + rolling * randint(2, 9, gen),
                      randint(size, 200, gen)):
         yield Case(f"position {position}, size {size}, {sinks} sinks", (position, size, sinks))
