@@ -64,6 +64,16 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _visible(rows, cols, TK, CAUSAL: tl.constexpr, SHIFT_ROWS):
+    """(M, N) bool: key ``cols`` exists (< TK) and, when causal, is not after query ``rows``,
+    which sits at position rows + SHIFT_ROWS (bottom-right: SHIFT_ROWS = Tk - Tq)."""
+    keep = cols[None, :] < TK
+    if CAUSAL:
+        keep = keep & (cols[None, :] <= (rows + SHIFT_ROWS)[:, None])
+    return keep
+
+
+@triton.jit
 def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, rows, TK, D, DV, qk_scale,
               stride_kn, stride_vn,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, SHIFT_ROWS,
@@ -77,10 +87,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, rows, TK, D, DV, qk_sca
                 mask=(cols[None, :] < TK) & (offs_d[:, None] < D), other=0.0)   # kᵀ (D, N)
     s = _dot(q, k, PRECISION) * qk_scale  # (M, N)
     if MASKED:
-        keep = cols[None, :] < TK
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= (rows + SHIFT_ROWS)[:, None])
-        s = tl.where(keep, s, float("-inf"))
+        s = tl.where(_visible(rows, cols, TK, CAUSAL, SHIFT_ROWS), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED:  # a row with no key yet has m = -inf: subtract 0 instead, so exp2 gives 0, not NaN
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -247,10 +254,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, start_n, rows, TK, D, DV, q
     s = _dot(q, k_t, PRECISION) * qk_scale  # (M, N)
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
-        keep = cols[None, :] < TK
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= (rows + SHIFT_ROWS)[:, None])
-        p = tl.where(keep, p, 0.0)
+        p = tl.where(_visible(rows, cols, TK, CAUSAL, SHIFT_ROWS), p, 0.0)
     dp = _dot(do, v_t, PRECISION)
     ds = p * (dp - delta[:, None])
     dq += _dot(ds.to(k_t.dtype), tl.trans(k_t), PRECISION)
