@@ -25,7 +25,47 @@ def _check_size(name: str, n) -> None:
         raise ValueError(f"{name} must be a positive int, got {n!r}")
 
 
-class KVCache:
+class _KVBuffers:
+    """A key and a value buffer, (B, Hkv, slots, D) and (B, Hkv, slots, Dv), allocated once and
+    written in place, and the check of what is written to them: what ``KVCache`` and
+    ``local.RollingKVCache`` share. The sizes are checked by the cache, which names them."""
+
+    def __init__(self, batch_size: int, n_kv_heads: int, slots: int, head_dim: int,
+                 value_dim: int, dtype: torch.dtype, device):
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.batch_size, self.n_kv_heads = batch_size, n_kv_heads
+        self.head_dim, self.value_dim = head_dim, value_dim
+        self.k = torch.zeros(batch_size, n_kv_heads, slots, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(batch_size, n_kv_heads, slots, value_dim, dtype=dtype, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the two buffers: B · Hkv · slots · (D + Dv) · bytes per element."""
+        return self.k.nbytes + self.v.nbytes
+
+    def _check(self, name: str, t, width: int) -> None:
+        expected = (self.batch_size, self.n_kv_heads, "T_new", width)
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a tensor {expected}, got {type(t).__name__}")
+        if (t.dim() != 4 or t.shape[0] != self.batch_size or t.shape[1] != self.n_kv_heads
+                or t.shape[3] != width):
+            raise ValueError(f"{name} must have shape (B={self.batch_size}, "
+                             f"Hkv={self.n_kv_heads}, T_new, D={width}), got {tuple(t.shape)}")
+        if t.dtype != self.dtype or t.device != self.device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device}, but the cache holds "
+                             f"{self.dtype} on {self.device}")
+
+
+class KVCache(_KVBuffers):
     """Preallocated key and value buffers, (B, Hkv, max_seq_len, D) each, filled from the left.
 
     ``k, v = cache.update(k_new, v_new)`` writes (B, Hkv, T_new, D) at the current length and
@@ -45,43 +85,12 @@ class KVCache:
                         ("max_seq_len", max_seq_len), ("head_dim", head_dim),
                         ("value_dim", value_dim)):
             _check_size(name, n)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        self.batch_size, self.n_kv_heads, self.max_seq_len = batch_size, n_kv_heads, max_seq_len
-        self.head_dim, self.value_dim = head_dim, value_dim
-        self.k = torch.zeros(batch_size, n_kv_heads, max_seq_len, head_dim, dtype=dtype,
-                             device=device)
-        self.v = torch.zeros(batch_size, n_kv_heads, max_seq_len, value_dim, dtype=dtype,
-                             device=device)
+        super().__init__(batch_size, n_kv_heads, max_seq_len, head_dim, value_dim, dtype, device)
+        self.max_seq_len = max_seq_len
         self.length = 0
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.k.device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the two buffers: 2 · B · Hkv · max_seq_len · D · bytes per element (D = Dv)."""
-        return self.k.nbytes + self.v.nbytes
 
     def __len__(self) -> int:
         return self.length
-
-    def _check(self, name: str, t, width: int) -> None:
-        expected = (self.batch_size, self.n_kv_heads, "T_new", width)
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{name} must be a tensor {expected}, got {type(t).__name__}")
-        if (t.dim() != 4 or t.shape[0] != self.batch_size or t.shape[1] != self.n_kv_heads
-                or t.shape[3] != width):
-            raise ValueError(f"{name} must have shape (B={self.batch_size}, "
-                             f"Hkv={self.n_kv_heads}, T_new, D={width}), got {tuple(t.shape)}")
-        if t.dtype != self.dtype or t.device != self.device:
-            raise ValueError(f"{name} is {t.dtype} on {t.device}, but the cache holds "
-                             f"{self.dtype} on {self.device}")
 
     def update(self, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
         """Append k_new, v_new (B, Hkv, T_new, D) -> every key and value so far, (B, Hkv, len, D).

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .attention import check_attention_inputs, scaled_dot_product_attention
-from .kv_cache import KVCache, _check_size
+from .kv_cache import _check_size, _KVBuffers
 from .masks import cut_mask, key_reach, to_additive
 
 __all__ = ["DEFAULT_BLOCK", "RollingKVCache", "local_attention"]
@@ -115,7 +115,7 @@ def local_attention(
     return out.reshape(b, hq, tq, -1).to(q.dtype)
 
 
-class RollingKVCache:
+class RollingKVCache(_KVBuffers):
     """The keys and values of the last ``window`` tokens (and of the first ``sinks``), in a
     buffer of ``sinks + window`` slots, (B, Hkv, sinks + window, D) each, allocated once.
 
@@ -151,24 +151,11 @@ class RollingKVCache:
             _check_size(name, n)
         if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
             raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        self.batch_size, self.n_kv_heads, self.window, self.sinks = (batch_size, n_kv_heads,
-                                                                     window, sinks)
-        self.head_dim, self.value_dim = head_dim, value_dim
-        slots = sinks + window
-        self.k = torch.zeros(batch_size, n_kv_heads, slots, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(batch_size, n_kv_heads, slots, value_dim, dtype=dtype, device=device)
+        super().__init__(batch_size, n_kv_heads, sinks + window, head_dim, value_dim, dtype,
+                         device)
+        self.window, self.sinks = window, sinks
         self.seen = 0
         self._returned = (0, 0)       # (tokens seen before the last update, its T_new)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.k.device
 
     @property
     def capacity(self) -> int:
@@ -180,11 +167,6 @@ class RollingKVCache:
         """Tokens the buffer holds now: min(seen, sinks + window)."""
         return min(self.seen, self.capacity)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the two buffers: 2 · B · Hkv · (sinks + window) · D · bytes per element."""
-        return self.k.nbytes + self.v.nbytes
-
     def __len__(self) -> int:
         return self.seen
 
@@ -193,8 +175,6 @@ class RollingKVCache:
         if position < self.sinks:
             return position
         return self.sinks + (position - self.sinks) % self.window
-
-    _check = KVCache._check     # new keys and values: (B, Hkv, T_new, D), the buffers' dtype
 
     def _time_order(self, buffer: Tensor) -> Tensor:
         """The held slots of ``buffer`` in time order (a copy once the window has wrapped)."""
