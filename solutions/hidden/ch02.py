@@ -8,15 +8,15 @@ from course_attn.grading.exercise import Case, hidden
 
 
 def _shapes(gen):
-    return randint(1, 3, gen), randint(1, 4, gen), randint(1, 9, gen), randint(1, 9, gen), \
-        randint(1, 16, gen)
+    """B, H, Tq, Tk, D; Tk and D at least 2, as one key or D = 1 hide a wrong scale."""
+    return randint(1, 3, gen), randint(1, 4, gen), randint(1, 9, gen), randint(2, 9, gen), \
+        randint(2, 16, gen)
 
 
 @hidden("ch02.attention_scores")
 def _(gen):
-    b, h, tq, tk, _ = _shapes(gen)
-    d = randint(2, 16, gen)
-    if d == tq:  # D=1, or D=Tq, would hide a scale of 1/D or 1/sqrt(Tq)
+    b, h, tq, tk, d = _shapes(gen)
+    if d == tq:  # D = Tq would hide a scale of 1/sqrt(Tq)
         d += 1
     yield Case(f"B={b}, H={h}, Tq={tq}, Tk={tk}, D={d}",
                (randn(b, h, tq, d, seed=gen), randn(b, h, tk, d, seed=gen)))
@@ -37,9 +37,8 @@ def _(gen):
 
 @hidden("ch02.attention")
 def _(gen):
-    b, h, tq, _, _ = _shapes(gen)
-    tk, d = randint(2, 9, gen), randint(2, 16, gen)  # one key or D=1 would hide a wrong scale
-    dv = d + randint(1, 8, gen)                        # Dv != D: a scale taken from v shows
+    b, h, tq, tk, d = _shapes(gen)
+    dv = d + randint(1, 8, gen)  # Dv != D: a scale taken from v shows
     yield Case(f"B={b}, H={h}, Tq={tq}, Tk={tk}, D={d}, Dv={dv}",
                (randn(b, h, tq, d, seed=gen), randn(b, h, tk, d, seed=gen),
                 randn(b, h, tk, dv, seed=gen)))

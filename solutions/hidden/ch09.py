@@ -64,9 +64,7 @@ def _(gen):
     bq = randint(2, 5, gen)
     bk = bq + randint(1, 3, gen)
     tq = bq * randint(1, 4, gen) + randint(1, bq - 1, gen)
-    tk = tq + bk * randint(1, 2, gen) + randint(0, bk - 1, gen)
-    if tk % bk == 0:
-        tk += 1
+    tk = (tq // bk + randint(2, 3, gen)) * bk + randint(1, bk - 1, gen)
     yield Case(f"causal, Tq={tq}, Tk={tk}, blocks {bq} x {bk}", (tq, tk, bq, bk),
                dict(is_causal=True))
     b = randint(2, 4, gen)
