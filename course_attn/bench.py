@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .arguments import check_positive_ints
 from .backends import BACKENDS, get_backend
 from .device import default_device
 from .linear import FEATURE_MAPS
@@ -225,13 +226,6 @@ def warm_up(timed_calls: dict[str, Callable[[], float | None]], *, max_calls: in
     return done
 
 
-def _check_counts(**counts: int) -> None:
-    """ValueError naming the first of ``counts`` that is not a positive int."""
-    for name, n in counts.items():
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
-
-
 def _check_positive(name: str, values: Sequence[int]) -> None:
     """ValueError unless ``values`` is a non-empty list of positive ints."""
     if not values or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in values):
@@ -239,8 +233,8 @@ def _check_positive(name: str, values: Sequence[int]) -> None:
 
 
 def _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, names, max_warmup) -> None:
-    _check_counts(batch=batch, heads=heads, head_dim=head_dim, repeats=repeats,
-                  max_warmup=max_warmup)
+    check_positive_ints(batch=batch, heads=heads, head_dim=head_dim, repeats=repeats,
+                        max_warmup=max_warmup)
     _check_positive("seq_lens", seq_lens)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")

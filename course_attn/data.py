@@ -10,6 +10,8 @@ import string
 import torch
 from torch import Tensor
 
+from .arguments import check_positive_ints
+
 IGNORE_INDEX = -100
 
 __all__ = ["IGNORE_INDEX", "InductionTask", "induction_targets", "token_labels"]
@@ -77,10 +79,8 @@ class InductionTask:
     def __init__(self, vocab_size: int = 26, seq_len: int = 32, *, min_pattern_len: int = 4,
                  max_pattern_len: int | None = None):
         max_pattern_len = seq_len // 2 if max_pattern_len is None else max_pattern_len
-        for name, n in (("vocab_size", vocab_size), ("seq_len", seq_len),
-                        ("min_pattern_len", min_pattern_len), ("max_pattern_len", max_pattern_len)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        check_positive_ints(vocab_size=vocab_size, seq_len=seq_len,
+                            min_pattern_len=min_pattern_len, max_pattern_len=max_pattern_len)
         if not 2 <= min_pattern_len <= max_pattern_len < seq_len:
             raise ValueError("need 2 <= min_pattern_len <= max_pattern_len < seq_len, got "
                              f"min_pattern_len={min_pattern_len}, max_pattern_len="
@@ -104,8 +104,7 @@ class InductionTask:
         ``pattern_len``: use this L for every row instead of a random one (e.g. L >= T / 2 for
         rows that show the pattern exactly twice).
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        check_positive_ints(batch_size=batch_size)
         b, t = batch_size, self.seq_len
         if pattern_len is None:
             pattern_len = torch.randint(self.min_pattern_len, self.max_pattern_len + 1, (b, 1),

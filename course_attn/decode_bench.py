@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .bench import (MIB, _check_counts, _check_positive, _synchronize, _time_call_ms,
+from .arguments import check_positive_ints
+from .bench import (MIB, _check_positive, _synchronize, _time_call_ms,
                     peak_memory_bytes)
 from .kv_cache import KVCache
 from .model import GPT, GPTConfig, generate
@@ -72,7 +73,7 @@ def run_decode_bench(new_tokens: Sequence[int] = (64, 128, 256), *, prompt_len: 
     makes each such run several times slower); the peaks are then None.
     """
     _check_positive("new_tokens", list(new_tokens))
-    _check_counts(prompt_len=prompt_len, batch=batch, repeats=repeats)
+    check_positive_ints(prompt_len=prompt_len, batch=batch, repeats=repeats)
     model = decode_model(device=device) if model is None else model
     device = next(model.parameters()).device
     prompt = torch.randint(model.config.vocab_size, (batch, prompt_len),
@@ -109,7 +110,7 @@ def run_cache_update_bench(cached_lens: Sequence[int] = (512, 16384), *, heads: 
     The median over ``repeats`` of the mean over ``calls`` appends, in place and by torch.cat.
     """
     _check_positive("cached_lens", list(cached_lens))
-    _check_counts(heads=heads, head_dim=head_dim, calls=calls, repeats=repeats)
+    check_positive_ints(heads=heads, head_dim=head_dim, calls=calls, repeats=repeats)
     device = torch.device("cpu") if device is None else torch.device(device)
     rows = []
     for length in cached_lens:

@@ -17,12 +17,9 @@ point of GQA.
 import torch
 from torch import Tensor
 
+from .arguments import check_positive_ints
+
 __all__ = ["KVCache"]
-
-
-def _check_size(name: str, n) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{name} must be a positive int, got {n!r}")
 
 
 class _KVBuffers:
@@ -81,10 +78,8 @@ class KVCache(_KVBuffers):
     def __init__(self, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int, *,
                  value_dim: int | None = None, dtype: torch.dtype = torch.float32, device=None):
         value_dim = head_dim if value_dim is None else value_dim
-        for name, n in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads),
-                        ("max_seq_len", max_seq_len), ("head_dim", head_dim),
-                        ("value_dim", value_dim)):
-            _check_size(name, n)
+        check_positive_ints(batch_size=batch_size, n_kv_heads=n_kv_heads,
+                            max_seq_len=max_seq_len, head_dim=head_dim, value_dim=value_dim)
         super().__init__(batch_size, n_kv_heads, max_seq_len, head_dim, value_dim, dtype, device)
         self.max_seq_len = max_seq_len
         self.length = 0

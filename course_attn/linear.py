@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .arguments import check_positive_ints
 from .attention import _accumulation_dtype, _shape, check_attention_inputs
 
 FeatureMap = Callable[[Tensor], Tensor]  # (..., D) -> (..., D'), the same map for q and k
@@ -61,9 +62,7 @@ class PerformerFeatures:
 
     def __init__(self, head_dim: int, num_features: int = 256, *, seed: int = 0,
                  orthogonal: bool = True):
-        for name, n in (("head_dim", head_dim), ("num_features", num_features)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        check_positive_ints(head_dim=head_dim, num_features=num_features)
         self.head_dim, self.num_features, self.seed = head_dim, num_features, seed
         self.orthogonal = orthogonal
         g = torch.Generator().manual_seed(seed)
@@ -131,8 +130,7 @@ def _features(phi: FeatureMap, x: Tensor) -> Tensor:
 def _check_options(form: str, chunk_size: int, eps: float) -> None:
     if form not in FORMS:
         raise ValueError(f"unknown form {form!r}; expected one of {', '.join(FORMS)}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_positive_ints(chunk_size=chunk_size)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be a positive number, got {eps!r}")
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .arguments import check_positive_ints
 from .bench import (
-    BASELINE, DTYPES, MAX_WARMUP, MIB, BenchRow, _check_counts, _check_options, _free_cached,
+    BASELINE, DTYPES, MAX_WARMUP, MIB, BenchRow, _check_options, _free_cached,
     _Measured, _measure, _time_call_ms, check_device, format_table, warm_up,
 )
 from .device import default_device
@@ -83,7 +84,7 @@ def run_linear_bench(
     """
     seq_lens = list(seq_lens)
     _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, [BASELINE], max_warmup)
-    _check_counts(chunk_size=chunk_size)
+    check_positive_ints(chunk_size=chunk_size)
     _check_feature_map(feature_map)
     device = default_device() if device is None else check_device(device)
     common = dict(batch=batch, heads=heads, head_dim=head_dim,
@@ -155,7 +156,7 @@ def run_step_bench(
     """
     seq_lens = list(seq_lens)
     _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, [BASELINE], max_warmup)
-    _check_counts(calls=calls)
+    check_positive_ints(calls=calls)
     _check_feature_map(feature_map)
     device = default_device() if device is None else check_device(device)
 

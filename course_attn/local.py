@@ -24,8 +24,9 @@ import math
 import torch
 from torch import Tensor
 
+from .arguments import check_positive_ints
 from .attention import check_attention_inputs, scaled_dot_product_attention
-from .kv_cache import _check_size, _KVBuffers
+from .kv_cache import _KVBuffers
 from .masks import cut_mask, key_reach, to_additive
 
 __all__ = ["DEFAULT_BLOCK", "RollingKVCache", "local_attention"]
@@ -80,7 +81,7 @@ def local_attention(
     """
     check_attention_inputs(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa,
                            window=window)
-    _check_size("block", block)
+    check_positive_ints(block=block)
     (b, hq, tq, d), (hkv, tk) = q.shape, k.shape[1:3]
     if window is None or tq == 0 or tk == 0:
         return scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
@@ -146,9 +147,8 @@ class RollingKVCache(_KVBuffers):
                  sinks: int = 0, value_dim: int | None = None,
                  dtype: torch.dtype = torch.float32, device=None):
         value_dim = head_dim if value_dim is None else value_dim
-        for name, n in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads),
-                        ("window", window), ("head_dim", head_dim), ("value_dim", value_dim)):
-            _check_size(name, n)
+        check_positive_ints(batch_size=batch_size, n_kv_heads=n_kv_heads, window=window,
+                            head_dim=head_dim, value_dim=value_dim)
         if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
             raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
         super().__init__(batch_size, n_kv_heads, sinks + window, head_dim, value_dim, dtype,
@@ -246,7 +246,7 @@ class RollingKVCache(_KVBuffers):
         need keys the cache has dropped: ``ValueError``.
         """
         window = self.window if window is None else window
-        _check_size("window", window)
+        check_positive_ints(window=window)
         if window > self.window:
             raise ValueError(f"window={window} needs the last {window} tokens, but the cache "
                              f"keeps only the last {self.window}")

@@ -26,6 +26,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .arguments import check_positive_ints
 from .backends import get_backend
 from .kv_cache import KVCache
 from .multihead import merge_heads, split_heads
@@ -51,10 +52,8 @@ class MultiHeadLatentAttention(nn.Module):
                  backend: str = "math"):
         super().__init__()
         head_dim = d_model // n_heads if head_dim is None else head_dim
-        for name, n in (("d_model", d_model), ("n_heads", n_heads), ("latent_dim", latent_dim),
-                        ("head_dim", head_dim), ("rope_dim", rope_dim)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        check_positive_ints(d_model=d_model, n_heads=n_heads, latent_dim=latent_dim,
+                            head_dim=head_dim, rope_dim=rope_dim)
         if rope_dim % 2:
             raise ValueError(f"rope_dim rotates pairs of channels and must be even, got {rope_dim}")
         get_backend(backend)

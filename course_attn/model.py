@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .arguments import check_positive_ints
 from .kv_cache import KVCache
 from .local import RollingKVCache
 from .multihead import MultiHeadAttention
@@ -59,10 +60,8 @@ class GPTConfig:
     def __post_init__(self):
         if self.position not in ("learned", "rope"):
             raise ValueError(f"position must be 'learned' or 'rope', got {self.position!r}")
-        for name in ("vocab_size", "seq_len", "n_layers", "mlp_ratio"):
-            n = getattr(self, name)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        check_positive_ints(vocab_size=self.vocab_size, seq_len=self.seq_len,
+                            n_layers=self.n_layers, mlp_ratio=self.mlp_ratio)
 
 
 class MLP(nn.Module):

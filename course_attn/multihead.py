@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .arguments import check_positive_ints
 from .attention import attention_weights, repeat_kv
 from .backends import get_backend
 from .kv_cache import KVCache
@@ -82,10 +83,8 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         context_dim = d_model if context_dim is None else context_dim
-        for name, n in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads),
-                        ("context_dim", context_dim)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        check_positive_ints(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                            context_dim=context_dim)
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         if n_heads % n_kv_heads:

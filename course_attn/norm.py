@@ -9,6 +9,8 @@ Unlike LayerNorm it neither subtracts the mean nor adds a bias. QK-norm (chapter
 import torch
 from torch import Tensor, nn
 
+from .arguments import check_positive_ints
+
 __all__ = ["RMSNorm", "rms_norm"]
 
 
@@ -42,8 +44,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        check_positive_ints(dim=dim)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             raise ValueError(f"eps must be a number >= 0, got {eps!r}")
         self.dim, self.eps = dim, eps

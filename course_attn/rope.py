@@ -18,6 +18,8 @@ Llama, written with complex numbers). Both are the same rotation up to a fixed p
 import torch
 from torch import Tensor, nn
 
+from .arguments import check_positive_ints
+
 __all__ = ["RotaryEmbedding", "apply_rotary_emb", "rope_frequencies"]
 
 
@@ -47,8 +49,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_seq_len: int = 4096, base: float = 10000.0):
         super().__init__()
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        check_positive_ints(max_seq_len=max_seq_len)
         self.head_dim, self.max_seq_len, self.base = head_dim, max_seq_len, float(base)
         self.register_buffer("inv_freq", rope_frequencies(head_dim, base), persistent=False)
         cos, sin = self._angles(torch.arange(max_seq_len))

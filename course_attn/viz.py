@@ -36,6 +36,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator
 
+from .arguments import check_positive_ints
+
 __all__ = ["overlapping_tick_labels", "plot_attention", "plot_bench"]
 
 # Weights: a light-to-dark single-hue map on [0, 1]. Scores: a diverging map centred at 0.
@@ -142,8 +144,7 @@ def plot_attention(weights, tokens=None, *, query_tokens=None, title: str | None
         raise ValueError(f"weights must be (Tq, Tk) or (H, Tq, Tk), got shape {tuple(w.shape)}")
     if ax is not None and w.dim() != 2:
         raise ValueError(f"ax draws one (Tq, Tk) map; got weights of shape {tuple(w.shape)}")
-    if isinstance(cols, bool) or not isinstance(cols, int) or cols < 1:
-        raise ValueError(f"cols must be a positive int, got {cols!r}")
+    check_positive_ints(cols=cols)
     maps = w if w.dim() == 3 else w.unsqueeze(0)                       # (H, Tq, Tk)
     n_heads, tq, tk = maps.shape
     if tq == 0 or tk == 0 or n_heads == 0:
