@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .attention import _accumulation_dtype, check_attention_inputs
-from .masks import check_window, cut_mask, key_reach, to_additive
+from .masks import band_mask, check_window, cut_mask, key_reach, to_additive
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "flash_attention", "flash_decode",
            "merge_attention_states", "online_softmax", "tile_schedule"]
@@ -141,11 +141,7 @@ def _tile_mask(shift: int, n: int, m: int, is_causal: bool, window: int | None,
     if ((not is_causal or nearest >= 0)
             and (window is None or (farthest < window and (is_causal or nearest > -window)))):
         return None
-    distance = shift + torch.arange(n, device=device)[:, None] - torch.arange(m, device=device)
-    allowed = distance >= 0 if is_causal else torch.ones_like(distance, dtype=torch.bool)
-    if window is not None:
-        allowed &= distance < window if is_causal else distance.abs() < window
-    return allowed
+    return band_mask(shift, n, m, is_causal=is_causal, window=window, device=device)
 
 
 class _Tiles:

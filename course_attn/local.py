@@ -27,7 +27,7 @@ from torch import Tensor
 from .arguments import check_positive_ints
 from .attention import check_attention_inputs, scaled_dot_product_attention
 from .kv_cache import _KVBuffers
-from .masks import cut_mask, key_reach, to_additive
+from .masks import band_mask, cut_mask, key_reach, to_additive
 
 __all__ = ["DEFAULT_BLOCK", "RollingKVCache", "local_attention"]
 
@@ -46,8 +46,7 @@ def _block_bias(offset: int, n: int, m: int, window: int, is_causal: bool, mask:
     dead rows get a bias of 0, so that softmax stays finite, and their output is zeroed later.
     """
     b, hkv, g = rows
-    offsets = offset + torch.arange(n, device=device)[:, None] - torch.arange(m, device=device)
-    allowed = (offsets >= 0) & (offsets < window) if is_causal else offsets.abs() < window
+    allowed = band_mask(offset, n, m, is_causal=is_causal, window=window, device=device)
     if mask is None:
         bias = to_additive(allowed, dtype).repeat(g, 1)                        # (G·n, m)
     else:

@@ -66,8 +66,22 @@ def sliding_window_mask(
     check_window(window)
     if window is None:
         raise ValueError("sliding_window_mask needs an int window >= 1, got None")
-    d = query_key_offsets(tq, tk, device=device)
-    return (d >= 0) & (d < window) if causal else d.abs() < window
+    _check_lengths(tq, tk)
+    return band_mask(tk - tq, tq, tk, is_causal=causal, window=window, device=device)
+
+
+def band_mask(shift: int, n: int, m: int, *, is_causal: bool, window: int | None,
+              device=None) -> Tensor:
+    """Bool (n, m): which of m consecutive keys each of n consecutive queries may see, the first
+    query sitting ``shift`` positions after the first key, so that query i and key j lie
+    d = shift + i - j apart. Causal: 0 <= d; a window: d < window (causal) or |d| < window.
+    The rule of ``sliding_window_mask`` for any block of a (Tq, Tk) mask (shift Tk - Tq for all).
+    """
+    d = shift + torch.arange(n, device=device)[:, None] - torch.arange(m, device=device)
+    allowed = d >= 0 if is_causal else torch.ones_like(d, dtype=torch.bool)
+    if window is not None:
+        allowed &= d < window if is_causal else d.abs() < window
+    return allowed
 
 
 def padding_mask(lengths: Tensor, t: int) -> Tensor:
