@@ -131,6 +131,10 @@ def _check_options(form: str, chunk_size: int, eps: float) -> None:
     if form not in FORMS:
         raise ValueError(f"unknown form {form!r}; expected one of {', '.join(FORMS)}")
     check_positive_ints(chunk_size=chunk_size)
+    _check_eps(eps)
+
+
+def _check_eps(eps: float) -> None:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be a positive number, got {eps!r}")
 
@@ -213,10 +217,9 @@ def _chunked(fq: Tensor, fk: Tensor, v: Tensor, chunk_size: int, eps: float) -> 
 
 
 def _recurrent(fq: Tensor, fk: Tensor, v: Tensor, eps: float) -> Tensor:
-    b, h, t, d = fk.shape
-    state = LinearAttentionState(fk.new_zeros(b, h, d, v.shape[-1]), fk.new_zeros(b, h, d))
+    state = LinearAttentionState.empty(fk[:, :, 0], v.shape[-1])
     outs = []
-    for i in range(t):
+    for i in range(fk.shape[2]):
         state = state.add(fk[:, :, i], v[:, :, i])
         outs.append(state.read(fq[:, :, i], eps))
     return torch.stack(outs, dim=2)
@@ -233,6 +236,12 @@ class LinearAttentionState:
 
     s: Tensor
     z: Tensor
+
+    @staticmethod
+    def empty(features: Tensor, value_dim: int) -> "LinearAttentionState":
+        """The state of no token, for features like ``features`` (B, H, D') and values of Dv."""
+        return LinearAttentionState(features.new_zeros(*features.shape, value_dim),
+                                    torch.zeros_like(features))
 
     def add(self, fk: Tensor, v: Tensor) -> "LinearAttentionState":
         """The state after one more token: features fk (B, H, D') and value v (B, H, Dv)."""
@@ -273,14 +282,13 @@ def linear_attention_step(
     if q_t.shape != k_t.shape or q_t.shape[2] != 1:
         raise ValueError(f"a step takes one token: q_t and k_t of shape (B, H, 1, D), got q_t "
                          f"{_shape(q_t)} and k_t {_shape(k_t)}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    _check_eps(eps)
     phi = feature_map_fn(feature_map, q_t.shape[-1])
     acc = _accumulation_dtype(q_t.dtype)
     fq, fk = _features(phi, q_t[:, :, 0].to(acc)), _features(phi, k_t[:, :, 0].to(acc))
     v = v_t[:, :, 0].to(acc)
     if state is None:
-        state = LinearAttentionState(fk.new_zeros(*fk.shape, v.shape[-1]), torch.zeros_like(fk))
+        state = LinearAttentionState.empty(fk, v.shape[-1])
     elif state.s.shape != (*fk.shape, v.shape[-1]) or state.z.shape != fk.shape:
         raise ValueError(f"state s {_shape(state.s)}, z {_shape(state.z)} does not fit features "
                          f"{_shape(fk)} and values {_shape(v)}")
