@@ -128,14 +128,17 @@ def as_number(actual) -> float | None:
 
 
 class Questions:
-    """A predict or derive exercise: a zero-argument function answers several questions at once,
-    as a dict, and each question is one case, so each is graded and hinted on its own.
+    """A predict or derive exercise: a function of the sizes of the problem answers several
+    questions at once, as a dict, and each question on each set of sizes is one case, so each
+    is graded and hinted on its own. The answers depend on sizes drawn at grading time (the
+    hidden cases), so a number worked out once, in a cell, is worth nothing.
 
     ``questions``: {key: (case name, hint)}, in the order they are asked.
     ``same(key, actual, expected) -> bool``: whether an answer is right.
     ``wrong(key, actual, expected) -> str``: what to tell a student whose answer is wrong; it
-    may say how far off the answer is, never what it is.
-    Use ``cases=questions.cases, compare=questions.compare`` in the ``Exercise``.
+    may say whether the answer is too large or too small, never what it is or by what factor.
+    Use ``cases=lambda: questions.cases(SIZES), compare=questions.compare`` in the
+    ``Exercise``, and ``questions.cases(drawn sizes, ...)`` for the hidden cases.
     """
 
     def __init__(self, questions: dict, *, same, wrong):
@@ -144,9 +147,15 @@ class Questions:
         self._case = Case
         self._key_of_case = {name: key for key, (name, _) in self.questions.items()}
 
-    def cases(self):
-        for name, hint in self.questions.values():
-            yield self._case(name, hint=hint)
+    def cases(self, *sizes: dict, keys=None):
+        """One case per question (or per question in ``keys``) for each dict of keyword
+        arguments in ``sizes``; without sizes, the questions of a function of no arguments."""
+        for size in sizes or ({},):
+            label = ", ".join(f"{name}={value}" for name, value in size.items())
+            for key, (name, hint) in self.questions.items():
+                if keys is None or key in keys:
+                    yield self._case(f"{name} ({label})" if label else name, kwargs=dict(size),
+                                     hint=hint, part=key)
 
     def compare(self, actual, expected: dict, case=None) -> None:
         """With a case, the one answer that case asks about must be right; without one (when
@@ -154,8 +163,8 @@ class Questions:
         if not isinstance(actual, dict):
             raise AssertionError(f"your function should return a dict with the keys "
                                  f"{list(self.questions)}, got {type(actual).__name__}")
-        name = getattr(case, "name", None)
-        keys = [self._key_of_case[name]] if name in self._key_of_case else list(expected)
+        part = getattr(case, "part", "") or self._key_of_case.get(getattr(case, "name", None))
+        keys = [part] if part else list(expected)
         for key in keys:
             if key not in actual:
                 raise AssertionError(f"your dict has no key {key!r}")
@@ -163,13 +172,13 @@ class Questions:
                 raise AssertionError(self.wrong(key, actual[key], expected[key]))
 
 
-def count_questions(questions: dict, *, rel_tol: float = 1e-9, direction_only: tuple = (),
-                    near_miss: bool = False) -> Questions:
+def count_questions(questions: dict, *, rel_tol: float = 1e-9, near_miss: bool = False,
+                    direction_only: tuple = ()) -> Questions:
     """``Questions`` whose answers are counts (multiply-adds, bytes, tiles, lengths): an answer is
-    right within ``rel_tol``. A wrong one is told how far off it is as a ratio to the right
-    count, which does not give the count away; for the keys in ``direction_only`` (a crossing
-    length, where a ratio would) only whether it is too large or too small. With
-    ``near_miss``, an answer within 0.1% is told so, instead of a ratio that rounds to 1."""
+    right within ``rel_tol``. A wrong one is told only whether it is too large or too small,
+    never by what factor (a factor would let a student fix the number by multiplying). With
+    ``near_miss``, an answer within 0.1% is told so. ``direction_only`` is kept for callers
+    that name the keys; every key is answered that way now."""
     def same(key, actual, expected) -> bool:
         got = as_number(actual)
         return got is not None and math.isclose(got, expected, rel_tol=rel_tol)
@@ -179,11 +188,8 @@ def count_questions(questions: dict, *, rel_tol: float = 1e-9, direction_only: t
         if got is None:
             return f"{key!r} should be a number, got {type(actual).__name__}"
         direction = "too large" if got > expected else "too small"
-        if key in direction_only:
-            return f"your {key!r} is {direction}"
-        if near_miss and abs(got / expected - 1) < 1e-3:
+        if near_miss and expected and abs(got / expected - 1) < 1e-3:
             return f"your {key!r} is a little {direction} (by less than 0.1%)"
-        return f"your {key!r} is {got / expected:.4g} times the right count"
+        return f"your {key!r} is {direction}"
 
     return Questions(questions, same=same, wrong=wrong)
-

@@ -36,12 +36,14 @@ KEY = re.compile(r"^ch(\d\d)\.([A-Za-z_][A-Za-z0-9_]*)$")
 @dataclass(frozen=True)
 class Case:
     """One input for the student's function: ``fn(*args, **kwargs)``. ``hint`` says what the
-    case tries, for when it fails and no typical mistake explains the answer."""
+    case tries, for when it fails and no typical mistake explains the answer. ``part``: for an
+    answer with several parts (a dict, ``cases.Questions``), the key this case judges."""
 
     name: str
     args: tuple = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     hint: str = ""
+    part: str = ""  # for a multi-part answer (a dict): the one key this case judges
 
 
 @dataclass(frozen=True)
