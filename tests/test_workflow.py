@@ -62,8 +62,9 @@ def test_make_test_builds_the_book_first_so_the_book_tests_have_pages_to_read():
 
 @pytest.fixture
 def ci_clone(tmp_path):
-    """A copy of .ci/run in an empty repository, with fakes for make, chromium and apt-get that
-    log how they were called; ``run(fail_on=...)`` runs it as CI does (no stdin, CI=true)."""
+    """A copy of .ci/run in an empty repository, with fakes for make, chromium, bwrap and
+    apt-get that log how they were called; ``run(fail_on=...)`` runs it as CI does (no stdin,
+    CI=true); ``missing`` names the programs to take away first."""
     (tmp_path / ".ci").mkdir()
     shutil.copy2(CI_RUN, tmp_path / ".ci" / "run")
     bin_dir = tmp_path / "bin"
@@ -73,15 +74,16 @@ def ci_clone(tmp_path):
         "make": 'echo "make $* REQUIRE_BOOK=${REQUIRE_BOOK:-}" >> "$LOG"; [ "$1" != "$FAIL_ON" ]',
         "apt-get": 'echo "apt-get $*" >> "$LOG"',
         "chromium": "exit 0",
+        "bwrap": "exit 0",
     }
     for name, body in fakes.items():
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(0o755)
     os.symlink(shutil.which("dirname"), bin_dir / "dirname")
 
-    def run(fail_on: str = "", chromium: bool = True):
-        if not chromium:
-            (bin_dir / "chromium").unlink(missing_ok=True)
+    def run(fail_on: str = "", missing: tuple = ()):
+        for program in missing:
+            (bin_dir / program).unlink(missing_ok=True)
         env = {"PATH": str(bin_dir), "LOG": str(log), "FAIL_ON": fail_on, "CI": "true"}
         done = subprocess.run([shutil.which("bash"), str(tmp_path / ".ci" / "run")], env=env,
                               stdin=subprocess.DEVNULL, capture_output=True, text=True,
@@ -104,12 +106,22 @@ def test_ci_fails_and_stops_when_a_command_fails(ci_clone):
     assert calls == ["make test REQUIRE_BOOK=1"]
 
 
-def test_ci_installs_debians_chromium_when_missing(ci_clone):
-    done, calls = ci_clone(chromium=False)
+@pytest.mark.parametrize("missing, packages", [
+    (("chromium",), ["chromium"]), (("bwrap",), ["bubblewrap"]),
+    (("chromium", "bwrap"), ["chromium", "bubblewrap"])])
+def test_ci_installs_what_is_missing_from_debian(ci_clone, missing, packages):
+    """Debian's chromium for the browser test, bubblewrap for the grader's sandbox."""
+    done, calls = ci_clone(missing=missing)
     assert done.returncode == 0, done.stderr
     install = [c for c in calls if c.startswith("apt-get install")]
     assert calls[0] == "apt-get update -q" and len(install) == 1
-    assert install[0].split()[-1] == "chromium" and " -y " in install[0]
+    assert install[0].split()[-len(packages):] == packages and " -y " in install[0]
+
+
+def test_ci_installs_nothing_when_nothing_is_missing(ci_clone):
+    done, calls = ci_clone()
+    assert done.returncode == 0, done.stderr
+    assert not [c for c in calls if c.startswith("apt-get")]
 
 
 def actionlint() -> str:
