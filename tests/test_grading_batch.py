@@ -29,7 +29,7 @@ from grading_support import (  # noqa: E402
     run_grader, solution_notebook, write,
 )
 
-from course_attn.grading import batch, cli  # noqa: E402
+from course_attn.grading import batch, cli, notebook  # noqa: E402
 from course_attn.grading.batch import collect_class, gradebook_paths  # noqa: E402
 from course_attn.grading.canonical import load_canonical  # noqa: E402
 from course_attn.grading.generate import grade_id  # noqa: E402
@@ -298,7 +298,7 @@ def test_collect_class_finds_a_file_or_a_folder_per_student(tmp_path):
 def test_a_file_too_large_is_not_read(tmp_path, monkeypatch):
     big = tmp_path / "03_masking.ipynb"
     big.write_bytes(b" " * 101)
-    monkeypatch.setattr(batch, "MAX_SUBMISSION_BYTES", 100)
+    monkeypatch.setattr(notebook, "MAX_SUBMISSION_BYTES", 100)
     submission = batch.read_submission(big, "zed")
     assert submission.data is None and submission.sha256 is None
     assert submission.problem == ("not graded: the file has 101 bytes, more than the 100 a "

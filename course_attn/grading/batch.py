@@ -31,10 +31,9 @@ import hashlib
 import io
 import json
 import multiprocessing
+import multiprocessing.connection
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -42,42 +41,11 @@ from pathlib import Path
 from jupyter_core.utils import run_sync
 from tqdm import tqdm
 
-from . import grader, processes
+from . import grader, processes, sandbox
 from .canonical import Canonical
 from .grader import GradingOptions
+from .notebook import MAX_SUBMISSION_BYTES, Submission, read_submission  # noqa: F401 (API)
 from .report import NotebookGrade, write_atomically
-
-MAX_SUBMISSION_BYTES = 50 * 1024 * 1024
-WORKER_ATTEMPTS = 3  # a notebook whose worker process died is graded again, up to this often
-
-
-@dataclass
-class Submission:
-    """One submitted file, read into memory. ``problem``: why it could not be read."""
-
-    path: Path
-    student: str | None = None
-    data: bytes | None = None
-    problem: str | None = None
-    sha256: str | None = None
-
-
-def read_submission(path: Path, student: str | None = None) -> Submission:
-    """``path``'s bytes (at most MAX_SUBMISSION_BYTES) and their SHA-256."""
-    submission = Submission(path, student)
-    try:
-        size = path.stat().st_size
-        if size > MAX_SUBMISSION_BYTES:
-            submission.problem = (f"not graded: the file has {size:,} bytes, more than the "
-                                  f"{MAX_SUBMISSION_BYTES:,} a notebook may have")
-            return submission
-        submission.data = path.read_bytes()
-    except OSError as error:
-        submission.problem = f"could not read the file: {error.strerror or error}"
-        return submission
-    submission.sha256 = hashlib.sha256(submission.data).hexdigest()
-    return submission
-
 
 @dataclass
 class ClassSubmissions:
@@ -102,108 +70,160 @@ def collect_class(root: Path, skip: set[Path] = frozenset()) -> ClassSubmissions
             if not notebooks:
                 found.notes.setdefault(student, []).append("no notebook (.ipynb) in the folder")
             found.submissions.extend(read_submission(p, student) for p in notebooks)
-        else:
+        else:  # beside it: the other students' files, not this student's helpers
             student = entry.stem
-            found.submissions.append(read_submission(entry, student))
+            found.submissions.append(read_submission(entry, student, helpers=False))
         if student not in found.students:
             found.students.append(student)
     found.students.sort()
     return found
 
 
+WORKER_ATTEMPTS = 2  # a notebook whose worker died or stopped is graded this often, then scores 0
 _WORKER: dict = {}
+WATCHDOG_MARGIN_S = 120.0  # beyond the notebook's own time limit: kernel starts, restarts
 
 
-def _start_worker(canonicals: dict, options: GradingOptions, solutions_dir: str,
-                  adopt_orphans: bool = False) -> None:
+def _start_worker(canonicals: dict, options: GradingOptions, solutions_dir: str) -> None:
     """Set up a grading process: the exercises that the check modules and the hidden cases
-    register, and (in a worker process) the adoption of orphans, killed after each notebook."""
+    register, and the adoption of orphans, killed after each notebook."""
     grader.prepare(solutions_dir, options.check_modules, read_notebooks=False)
-    if adopt_orphans:
-        processes.become_subreaper()
+    processes.become_subreaper()
     _WORKER.update(lookup=grader.lookup_in(canonicals, solutions_dir), options=options,
-                   adopt_orphans=adopt_orphans, children=processes.children())
+                   children=processes.children())
 
 
 def _grade_submission(submission: Submission) -> NotebookGrade:
     grade = run_sync(grader.grade_data)(submission.path.name, submission.data, _WORKER["lookup"],
                                         _WORKER["options"], read_problem=submission.problem,
-                                        path=str(submission.path))
-    if _WORKER["adopt_orphans"]:
-        killed = processes.kill_new_children(_WORKER["children"])
-        if killed:
-            grade.flags.append(f"{killed} process(es) that the submission left running were "
-                               "killed")
+                                        path=str(submission.path), helpers=submission.helpers)
+    killed = processes.kill_new_children(_WORKER["children"])
+    if killed:
+        grade.flags.append(f"{killed} process(es) that the submission left running were killed")
     return grade
 
 
-def _worker_died(submission: Submission) -> NotebookGrade:
-    return NotebookGrade(str(submission.path), error=f"the grader's worker process died "
-                                                     f"{WORKER_ATTEMPTS} times on this file",
-                         grader_error=True)
+def _worker_main(connection, canonicals, options, solutions_dir) -> None:
+    """A worker process: grade each submission the parent sends, one at a time, and send its
+    grade back; ``None`` ends it."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    _start_worker(canonicals, options, solutions_dir)
+    while True:
+        item = connection.recv()
+        if item is None:
+            return
+        number, submission = item
+        try:
+            grade = _grade_submission(submission)
+        except Exception as error:  # a bug of the grader's: report it, go on
+            grade = NotebookGrade(str(submission.path), error=f"the grader failed: {error}",
+                                  grader_error=True)
+        connection.send((number, grade))
+
+
+@dataclass
+class _Worker:
+    process: multiprocessing.process.BaseProcess
+    connection: object
+    number: int | None = None  # the submission it is grading
+    deadline: float = 0.0
+    attempt: int = 0
 
 
 def grade_files(submissions: list[Submission], canonicals: dict[str, Canonical | str],
                 options: GradingOptions, *, workers: int, solutions_dir: str = "solutions",
                 progress: bool = True) -> list[NotebookGrade]:
-    """Grade each submission, ``workers`` at a time in worker processes (in this process when
-    ``workers`` is 1), with a progress bar on stderr; in the order given."""
+    """Grade each submission in worker processes, ``workers`` at a time, with a progress bar on
+    stderr; in the order given. A watchdog outside the workers gives each notebook its time
+    limit and a margin: a worker that dies, or stops answering, is replaced; the notebook it
+    held is graded once more on a fresh worker, and then scores 0 with the reason; every other
+    notebook keeps its grade."""
     grades: list[NotebookGrade | None] = [None] * len(submissions)
+    attempts = [0] * len(submissions)
+    todo = list(range(len(submissions)))
+    context = multiprocessing.get_context("spawn")  # no fork of a process holding zmq sockets
+    limit = options.notebook_timeout + WATCHDOG_MARGIN_S
     bar = tqdm(total=len(submissions), unit="notebook", desc="grading", file=sys.stderr,
                disable=not progress, mininterval=0.5)
+    pool: list[_Worker] = []
+
+    def spawn() -> _Worker:
+        parent, child = context.Pipe()
+        process = context.Process(target=_worker_main, daemon=True,
+                                  args=(child, canonicals, options, solutions_dir))
+        process.start()
+        child.close()
+        return _Worker(process, parent)
+
+    def finish(worker: _Worker, grade: NotebookGrade) -> None:
+        grades[worker.number] = grade
+        bar.set_postfix_str(submissions[worker.number].student or
+                            submissions[worker.number].path.name, refresh=False)
+        bar.update(1)
+        worker.number = None
+
+    def lost(worker: _Worker, why: str) -> None:
+        """The worker died or stopped answering: its notebook goes back, or scores 0."""
+        number = worker.number
+        attempts[number] += 1
+        _end(worker)
+        pool.remove(worker)
+        if attempts[number] < WORKER_ATTEMPTS:
+            todo.insert(0, number)
+            return
+        worker.number = number
+        finish(worker, NotebookGrade(str(submissions[number].path), error=f"not graded: {why}"))
+
     try:
-        if workers <= 1 or len(submissions) <= 1:
-            # In this process: what the submissions leave behind is killed after each one only
-            # where this process adopts orphans already (the command line does).
-            _start_worker(canonicals, options, solutions_dir,
-                          adopt_orphans=processes.is_subreaper())
-            for i, submission in enumerate(submissions):
-                grades[i] = _grade_submission(submission)
-                bar.update(1)
-        else:
-            _grade_in_pool(submissions, canonicals, options, workers, solutions_dir, grades, bar)
+        while todo or any(w.number is not None for w in pool):
+            while todo and len(pool) < min(workers, len(submissions)):
+                pool.append(spawn())
+            for worker in pool:
+                if worker.number is None and todo:
+                    worker.number = todo.pop(0)
+                    worker.deadline = time.monotonic() + limit
+                    worker.connection.send((worker.number, submissions[worker.number]))
+            busy = [w for w in pool if w.number is not None]
+            ready = multiprocessing.connection.wait(
+                [w.connection for w in busy] + [w.process.sentinel for w in busy], timeout=1.0)
+            for worker in busy:
+                if worker.connection in ready:
+                    try:
+                        number, grade = worker.connection.recv()
+                    except (EOFError, OSError):
+                        lost(worker, "the grader's worker process died while grading it")
+                        continue
+                    if number == worker.number:
+                        finish(worker, grade)
+                elif worker.process.sentinel in ready:
+                    lost(worker, f"the grader's worker process died while grading it (exit "
+                                 f"status {worker.process.exitcode})")
+                elif time.monotonic() > worker.deadline:
+                    lost(worker, f"its grading did not end within {limit:g} s (the notebook's "
+                                 f"limit of {options.notebook_timeout:g} s and a margin), so "
+                                 "it was stopped")
     finally:
+        for worker in pool:
+            _end(worker, politely=worker.number is None)
         bar.close()
     return grades
 
 
-def _grade_in_pool(submissions, canonicals, options, workers, solutions_dir, grades, bar):
-    attempts = [0] * len(submissions)
-    pending = list(range(len(submissions)))
-    context = multiprocessing.get_context("spawn")  # no fork of a process holding zmq sockets
-    while pending:
-        pool = ProcessPoolExecutor(max_workers=min(workers, len(pending)), mp_context=context,
-                                   initializer=_start_worker,
-                                   initargs=(canonicals, options, solutions_dir, True))
+def _end(worker: _Worker, politely: bool = False) -> None:
+    """Stop a worker: ask it to end, or kill it (its sandboxes die with it) and the kernels'
+    cgroups it leaves."""
+    if politely:
         try:
-            futures = {pool.submit(_grade_submission, submissions[i]): i for i in pending}
-            pending = []
-            while futures:
-                done, _ = wait(futures, return_when=FIRST_COMPLETED)
-                for future in done:
-                    i = futures.pop(future)
-                    try:
-                        grades[i] = future.result()
-                    except BrokenProcessPool:
-                        attempts[i] += 1
-                        if attempts[i] < WORKER_ATTEMPTS:
-                            pending.append(i)
-                            continue
-                        grades[i] = _worker_died(submissions[i])
-                    except Exception as error:  # a bug of the grader's: report it, go on
-                        grades[i] = NotebookGrade(str(submissions[i].path), error=str(error),
-                                                  grader_error=True)
-                    bar.set_postfix_str(submissions[i].student or submissions[i].path.name,
-                                        refresh=False)
-                    bar.update(1)
-        except BaseException:  # Ctrl-C: stop now rather than grade what is queued
-            workers_ = getattr(pool, "_processes", None)  # private, but the only handle on
-            workers_ = list(workers_.values()) if isinstance(workers_, dict) else []  # them
-            pool.shutdown(wait=False, cancel_futures=True)
-            for process in workers_:
-                process.terminate()  # its kernel notices that its parent is gone, and exits
-            raise
-        pool.shutdown(wait=True)
+            worker.connection.send(None)
+            worker.process.join(5)
+        except (OSError, ValueError):
+            pass
+    if worker.process.is_alive():
+        worker.process.kill()
+        worker.process.join(5)
+    worker.connection.close()
+    sandbox.remove_cgroups_of(worker.process.pid)  # a killed worker's kernels leave theirs
 
 
 def fingerprint(paths: list[Path]) -> dict[str, str]:
@@ -290,7 +310,8 @@ def build_gradebook(found: ClassSubmissions, grades: list[NotebookGrade],
         "seconds": round(seconds, 1),
         "options": {"cell_timeout_s": options.cell_timeout,
                     "notebook_timeout_s": options.notebook_timeout,
-                    "memory_mb": options.memory_mb, "check_modules": list(options.check_modules)},
+                    "memory_mb": options.memory_mb, "check_modules": list(options.check_modules),
+                    "sandbox": "bubblewrap" if options.sandbox else "none (--no-sandbox)"},
         "exercises": [{"grade_id": e.grade_id, "chapter": chapter, "max_points": e.points}
                       for chapter, e in columns],
         "max": most,

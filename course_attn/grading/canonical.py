@@ -95,12 +95,19 @@ def load_canonicals(solutions_dir: Path | str) -> dict[str, "Canonical | str"]:
     return loaded
 
 
+class UnknownChapter(GraderError):
+    """A submission names a chapter that the solutions do not have: its problem, not the
+    grader's."""
+
+
 def lookup_in(canonicals: dict[str, "Canonical | str"], solutions_dir: Path | str = "solutions"):
     """A chapter -> Canonical lookup over ``load_canonicals``' answer (GraderError if none)."""
     def lookup(chapter: str) -> Canonical:
         found = canonicals.get(chapter)
         if found is None:
-            raise GraderError(f"no solutions notebook for chapter {chapter} in {solutions_dir}")
+            known = ", ".join(sorted(canonicals)) or "none"
+            raise UnknownChapter(f"{chapter} is not a chapter of this course (its chapters: "
+                                 f"{known}; no solutions notebook for it in {solutions_dir})")
         if isinstance(found, str):
             raise GraderError(found)
         return found

@@ -7,10 +7,14 @@ hidden ones included, and judges the answers outside the student's process.
 """
 
 import copy
+from pathlib import Path
 
 from .exercise import Exercise, get
-from .harness import Watch, encode, error_as_data
+from .harness import Guard, encode, error_as_data
 from .judge import Answer, Judgement, format_judgement, judge_case
+from .operations import guard_options
+
+PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
 
 
 class ExerciseFailed(AssertionError):
@@ -25,7 +29,11 @@ def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = Tru
     (default: the public ones), in this process; never raises for a broken ``fn``."""
     judgement = Judgement(exercise.key)
     cases = exercise.public_cases() if cases is None else cases
-    watch = Watch(exercise.banned if watch_banned else (), exercise.allowed)
+    options = guard_options(exercise, PACKAGE_DIR)
+    guard = Guard(options["ops"], options["refused"], options["package"],
+                  [tuple(item) for item in options["allowed"]],
+                  functions=[tuple(item) for item in options["functions"]]) \
+        if watch_banned else Guard()
     for case in cases:
         expected = exercise.expected(case)
         if exercise.kind == "value":
@@ -36,8 +44,7 @@ def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = Tru
         else:
             args = copy.deepcopy(case.args)
             try:
-                with watch:
-                    value = fn(*args, **dict(case.kwargs))
+                value = guard.call(fn, args, dict(case.kwargs))
                 answer = Answer(value=value)
             except Exception as error:
                 answer = Answer(error=error_as_data(error))
@@ -46,7 +53,7 @@ def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = Tru
                            if _encoded(a) != _encoded(b)]
                 answer.mutated_argument = changed[0] if changed else None
         judgement.results.append(judge_case(exercise, case, expected, answer))
-    judgement.banned = list(watch.hits)
+    judgement.banned = list(guard.hits)
     return judgement
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import grader, processes
+from . import grader, processes, sandbox
 from .batch import format_class_table, grade_class, grade_files, gradebook_paths, read_submission
 from .grader import GradingOptions
 from .report import format_table, report, write_json
@@ -97,6 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--solutions", type=Path, metavar="DIR",
                         help="folder of solution notebooks (default: ./solutions, else the "
                              "repository's)")
+    parser.add_argument("--no-sandbox", action="store_true",
+                        help="run the kernels without the operating-system sandbox (bubblewrap): "
+                             "a submission can then reach the grader, the solutions and the "
+                             "other kernels; every report records it")
     parser.add_argument("--checks-module", action="append", default=[], metavar="MODULE",
                         help="a module that registers exercises outside course_attn.grading, "
                              "imported by the grader (repeatable)")
@@ -112,7 +116,12 @@ def _validate(args) -> None:
         raise ValueError(f"--memory-mb must be 0 (no limit) or at least 256, got "
                          f"{args.memory_mb}: the kernel alone needs about 350 MB")
     if not args.solutions.is_dir():
-        raise ValueError(f"solutions folder {args.solutions} does not exist")
+        raise ValueError(f"solutions folder {args.solutions} does not exist: the grader needs "
+                         "the course's solutions/ (run it from the course repository, or give "
+                         "--solutions DIR)")
+    if not args.no_sandbox and sandbox.unavailable():
+        raise ValueError(f"{sandbox.unavailable()}; or grade without it: --no-sandbox (only "
+                         "for work you trust)")
     if args.gradebook is not None:
         if args.json is not None:
             raise ValueError("--json is for single notebooks; --gradebook writes OUT.json")
@@ -146,7 +155,8 @@ def _main(argv: list[str] | None) -> int:
         return 2
     options = GradingOptions(args.timeout, args.notebook_timeout, args.memory_mb,
                              tuple(args.checks_module),
-                             extra_path=module_folders(args.checks_module))
+                             extra_path=module_folders(args.checks_module),
+                             sandbox=not args.no_sandbox)
     if args.gradebook is not None:
         book = grade_class(Path(args.paths[0]), args.gradebook, solutions_dir=args.solutions,
                            options=options, workers=args.workers)

@@ -62,9 +62,12 @@ class Exercise:
     once with ``reference()``.
 
     ``compare(actual, expected, case)`` raises AssertionError with a message for the student.
-    ``banned``: dotted names the student's code may not call while it computes an answer
-    ("torch.softmax", "torch.Tensor.softmax", "torch.nn.functional.scaled_dot_product_attention";
-    "course_attn" bans every function of the package, except ``allowed``).
+    ``ops``: the ATen operations the function may run (``operations.py``); None: the default
+    for its kind (``operations.default_operations``). ``banned``: functions refused by name,
+    whatever route reaches them ("torch.softmax" refuses ``Tensor.softmax`` and
+    ``torch.ops.aten._softmax`` too), for the shortcuts torch decomposes into allowed
+    operations; "course_attn" refuses running any code of the package, except the functions
+    named in ``allowed`` (and whatever they run).
     """
 
     key: str
@@ -76,6 +79,7 @@ class Exercise:
     banned: tuple[str, ...] = ()
     allowed: tuple[str, ...] = ()
     mistakes: tuple[Mistake, ...] = ()
+    ops: frozenset | None = None
 
     @property
     def chapter(self) -> str:
@@ -84,6 +88,15 @@ class Exercise:
     @property
     def grade_id(self) -> str:
         return grade_id_of(self.key)
+
+    def operations(self) -> frozenset | None:
+        """The ATen operations the student's function may run; None: any (a value)."""
+        if self.kind == "value":
+            return None
+        if self.ops is not None:
+            return frozenset(self.ops)
+        from .operations import default_operations
+        return default_operations(self.banned)
 
     def public_cases(self) -> list[Case]:
         return list(self.cases())

@@ -8,57 +8,68 @@ each submitted notebook:
 2. *Restore* its protected cells from the chapter's canonical notebook in ``solutions/``
    (``canonical.py``, ``restore.py``): the setup and check cells go back as written, changes
    are flagged.
-3. *Run* it (``kernel.py``): a fresh kernel in a scratch folder, against a copy of the package
-   (no ``solutions/``, no hidden cases next to it), with a memory limit and a time limit per
-   cell. The student's cells run in order. Where a check cell stands, the grader instead sends
-   that exercise's inputs: the public cases and hidden cases drawn with a fresh seed
-   (``solutions/hidden/``). The kernel runs the student's function on them, watching for the
-   exercise's banned calls in every thread (``harness.py``), and returns the outputs as plain
-   data (tensors as raw bytes; nothing is unpickled).
+3. *Run* it (``kernel.py``): a fresh kernel in an operating-system sandbox (``sandbox.py``),
+   against a read-only copy of the package, with limits on the memory and processes of its
+   whole tree, a time limit per cell and an output limit. The student's cells run in order.
+   Where a check cell stands, the grader instead sends that exercise's inputs: the public
+   cases and hidden cases drawn with a fresh seed (``solutions/hidden/``). The kernel runs the
+   student's function on them under a guard that checks every operation where torch dispatches
+   it (``harness.py``, ``operations.py``), and returns the outputs as plain data (tensors as
+   raw bytes; nothing is unpickled).
 4. *Judge* (``judge.py``): the grader computes every expected output itself and compares. An
-   exercise scores its points when every case passes and no banned call was made; otherwise 0
-   with the reason (the first failed case and the hint that names the mistake).
+   exercise scores its points when every case passes and no refused operation was run;
+   otherwise 0 with the reason (the first failed case and the hint that names the mistake).
 
 If the kernel dies or hangs, it is restarted, the cells that ran before are run again, and
 grading goes on after the cell that killed it, so later correct work keeps its points; a cell
-that was interrupted or killed the kernel is flagged. When grading ends, every process the
-submission started is killed (``processes.py``), and only then is the report written.
+that was interrupted or killed the kernel is flagged. When grading ends, the sandbox and every
+process in it are killed, and only then is the report written.
 
 Threat model
 ------------
-Nothing the kernel does to its own objects changes a score: the kernel returns outputs, not
-verdicts, and those outputs must be right for inputs it has not seen before (hidden cases, drawn
-anew for each notebook). A table of the public answers, a patched comparison, a tampered check
-cell or a forged message are all worth nothing. What the kernel can still do:
+*What the operating system guarantees* (bubblewrap; without it the grader refuses to grade for
+credit unless the instructor passes ``--no-sandbox``, which every report records). The kernel
+runs as an unprivileged user in its own user, PID, network, IPC and UTS namespaces: it sees only
+its own processes, so it cannot read, signal, stop or trace the grader, its worker or another
+kernel (``/proc/<ppid>`` is its own sandbox's init); it has no network; it sees the system, the
+Python and the virtual environment read-only, a read-only copy of ``course_attn`` without the
+chapters' exercise declarations, its own working folder and a private ``/tmp``, and nothing
+else: no ``solutions/``, no hidden cases, no repository, no other submission. So a submission
+cannot change the grader's code or the package (read-only), forge another kernel's answers or
+reports (they travel on that kernel's own signed Jupyter channel and its own pipe), or kill the
+grader. Memory and the number of processes are limited for the whole tree (cgroups, where the
+grader may make them; else per process, and the report says ``limits: process``); a cell that
+prints more than ``kernel.MAX_OUTPUT_CHARS`` characters is interrupted. The batch runs each
+notebook in a worker process under a watchdog: a worker that dies or stops answering is
+replaced, the notebook it held is graded once more and then scores 0 with the reason, and
+every other notebook keeps its grade.
 
-- *Banned calls* are watched inside the kernel, while the student's function computes the
-  grader's cases: a profiler in the calling thread, in every thread already running and in every
-  thread started through ``threading`` (a thread started with ``_thread`` itself, which no
-  profiler follows, counts as a banned call); each call is reported to a file the moment it is
-  seen, so clearing the watch's record afterwards is worth nothing. The grader's code runs as a
-  user expression, which IPython's input and AST transformers never see. Switching the profiler
-  off from Python, or leaving it off or the watch disarmed after the call (``ctypes``, the
-  watch's own state), is itself reported and flagged. What still evades the rule, though never
-  the correctness of the answers: switching the watch off and on again around the call (it is
-  reachable through ``sys.getprofile()``, the stack or ``gc``), a banned C function that C code
-  calls (``map(torch.softmax, ...)``, a ``functools.partial`` of it called inside the function),
-  another process that computes the reference (``subprocess``), patched builtins or a patched
-  IPython shell under the grader's own code. A thread of the submission that is still running
-  during an evaluation and calls a banned function counts, whatever it was started for.
-- *Copying* the reference's published source is new code, not a call.
-- *The operating system*: the kernel runs as the grader's user. It cannot reach ``solutions/``
-  through the package (it imports a copy in a scratch folder; its ``PYTHONPATH`` holds that copy
-  and the folders of ``--checks-module``, not the grader's working folder), but it can read any
-  file that user can read if it knows the path, and the path is easy to learn (``/proc`` shows
-  the grader's working folder and command line). It can use the network, fill the disk, and,
-  until its notebook is done, reach the scratch folders of the notebooks graded beside it. No
-  process it starts outlives its notebook: they are found by a mark in their environment, or,
-  having cleared it, as orphans the grader adopts (a child subreaper), and stopped and killed
-  with every descendant. Grade untrusted work in a container that holds only the package and
-  the submissions, without network, e.g.
-  ``docker run --rm --network none -v $PWD:/course:ro -v $PWD/grades:/grades -w /course IMAGE
-  python -m course_attn.grade /course/submissions --gradebook /grades/class``, and with
-  ``--workers 1`` where submissions must not see each other.
+*What no code in the kernel can change*: the kernel returns outputs, not verdicts, and those
+outputs must be right for inputs it has not seen before (hidden cases, drawn anew for each
+notebook). A table of the public answers, a patched comparison, a tampered check cell or a
+forged message are worth nothing. Only torch's own tensors and plain Python values are read
+from the answer, without running any of the submission's code (``__torch_function__``, torch
+modes and subclasses are switched off while encoding).
+
+*What the guard enforces, in the kernel*: while the student's function computes the grader's
+outputs, every ATen operation torch dispatches is checked against the exercise's allowlist,
+however it was reached (``torch.softmax``, ``Tensor.softmax``, ``torch._softmax``,
+``torch.ops.aten._softmax``, ``map(torch.softmax, rows)``, a thread started through
+``threading``); shortcuts that torch decomposes before dispatch (``F.rms_norm``,
+``repeat_interleave``) are refused by name whatever the route; code of the package is refused
+by the file it is in. A refused operation is written to the grader's pipe the moment it
+happens, so erasing the guard's record afterwards changes nothing. The grader's expression
+looks up no name in the student's namespace, and IPython's input transformers never see it.
+
+*What remains*, deliberately: the guard lives in the student's process, so a submission that
+pops torch's modes, or runs its computation in a thread that was already running (or one
+started with ``_thread``), escapes the allowlist, though never the correctness of its answers.
+Such code is visible: the grader flags, for a human reviewer and without taking points, code
+that walks the stack, searches the interpreter's objects (``gc``), calls C (``ctypes``), reads
+``/proc``, sends signals, hooks torch's dispatch, reaches ``course_attn.grading``, rewrites
+builtins or code objects, or starts processes or raw threads (``review.py``). Copying the
+reference's published source is new code, not a call. Computation in pure Python inside the
+package that runs no torch operation (none of the references does) would not be seen.
 """
 
 import asyncio
@@ -70,12 +81,16 @@ from pathlib import Path
 
 from jupyter_core.utils import run_sync
 
-from .canonical import Canonical, GradedExercise, GraderError, load_canonicals, lookup_in
+from .canonical import Canonical, GradedExercise, GraderError, UnknownChapter, \
+    load_canonicals, lookup_in
 from .exercise import hidden_cases, load_hidden
+from .generate import grade_id
 from .harness import SWITCHES_OFF, WireError, decode, encode
+from .operations import guard_options
+from .review import review_flags
 from .judge import Answer, Judgement, judge_case
-from .kernel import CellRun, Kernel
-from .notebook import ReadNotebook, chapter_of, parse_notebook, shorten
+from .kernel import MAX_OUTPUT_CHARS, OUT_OF_MEMORY, CellRun, Kernel
+from .notebook import ReadNotebook, chapter_of, parse_notebook, read_submission, shorten
 from .report import ExerciseScore, NotebookGrade, format_table, report  # noqa: F401 (API)
 from .restore import Restored, restore_protected_cells
 
@@ -94,7 +109,9 @@ class GradingOptions:
     """Limits for one notebook. ``memory_mb`` 0: no memory limit. ``check_modules``: modules
     that register exercises outside ``course_attn.grading`` (imported here, by the grader).
     ``extra_path``: folders the kernel needs on its PYTHONPATH for them. ``hidden_seed``: the
-    seed of the hidden cases (None: a fresh one per notebook)."""
+    seed of the hidden cases (None: a fresh one per notebook). ``sandbox``: run each kernel in
+    the operating-system sandbox (``sandbox.py``); False only at the instructor's explicit
+    ``--no-sandbox``, which every report records."""
 
     cell_timeout: float = CELL_TIMEOUT_S
     notebook_timeout: float = NOTEBOOK_TIMEOUT_S
@@ -102,6 +119,7 @@ class GradingOptions:
     check_modules: tuple[str, ...] = ()
     extra_path: tuple[str, ...] = ()
     hidden_seed: int | None = None
+    sandbox: bool = True
 
 
 @dataclass
@@ -122,6 +140,11 @@ def _describe_run(run: CellRun, where: str, memory_mb: int) -> str:
     """Why a cell or an evaluation failed, in a sentence for the student."""
     if run.status in ("timeout", "stuck"):
         return f"timed out after {run.evalue} ({where})"
+    if run.status == "output":
+        return f"printed more than {MAX_OUTPUT_CHARS:,} characters, and was stopped ({where})"
+    if run.status == "died" and run.evalue == OUT_OF_MEMORY:
+        return f"ran out of memory (the limit is {memory_mb} MB for the kernel and every " \
+               f"process it started) ({where})"
     if run.status == "died":
         how = f" ({run.evalue})" if run.evalue else ""
         return f"the kernel died{how} ({where})"
@@ -145,13 +168,14 @@ def _prepare(graded: GradedExercise, seed: int) -> Evaluation:
                       [False] * len(public) + [True] * len(secret))
 
 
-def _request(evaluation: Evaluation) -> dict:
+def _request(evaluation: Evaluation, package: str) -> dict:
+    """What the kernel runs for one exercise: its cases, and what the guard checks
+    (``package``: the folder of the kernel's copy of course_attn)."""
     exercise = evaluation.graded.exercise
     cases = evaluation.cases[:1] if exercise.kind == "value" else evaluation.cases
     return {"name": exercise.function, "kind": exercise.kind,
             "cases": [{"args": encode(list(c.args)), "kwargs": encode(dict(c.kwargs))}
-                      for c in cases],
-            "banned": list(exercise.banned), "allowed": list(exercise.allowed)}
+                      for c in cases], **guard_options(exercise, package)}
 
 
 def _answers(evaluation: Evaluation) -> list[Answer]:
@@ -199,8 +223,8 @@ def _verdict(evaluation: Evaluation, runs: dict[int, CellRun], label, memory_mb:
     hits = list(dict.fromkeys(str(h)[:200] for h in evaluation.hits + reported))
     switches = [h for h in hits if h.endswith(SWITCHES_OFF)]
     if switches:
-        flags.append(f"{evaluation.graded.grade_id}: the submission switched off the watch for "
-                     f"banned calls ({switches[0].removesuffix(SWITCHES_OFF).strip()})")
+        flags.append(f"{evaluation.graded.grade_id}: the submission switched off the check of "
+                     f"the operations it runs ({switches[0].removesuffix(SWITCHES_OFF).strip()})")
     if run is None:
         return False, "not graded: the notebook did not get that far", flags
     if run.status != "ok" or evaluation.answer is None:
@@ -225,12 +249,17 @@ def _verdict(evaluation: Evaluation, runs: dict[int, CellRun], label, memory_mb:
 
 
 async def _run_notebook(nb, restored: Restored, evaluations: dict[int, Evaluation],
-                        options: GradingOptions, scratch: Path) -> tuple[dict[int, CellRun],
-                                                                         list[str]]:
-    """Run the restored notebook, evaluating each exercise where its check cell stands."""
+                        options: GradingOptions, scratch: Path, helpers: dict
+                        ) -> tuple[dict[int, CellRun], list[str]]:
+    """Run the restored notebook, evaluating each exercise where its check cell stands;
+    ``helpers`` (file name -> bytes) go into the kernel's working folder first."""
     runs: dict[int, CellRun] = {}
     flags: list[str] = []
-    kernel = Kernel(scratch, options.memory_mb, options.extra_path)
+    kernel = Kernel(scratch, options.memory_mb, options.extra_path, sandboxed=options.sandbox)
+    for name, data in helpers.items():
+        if Path(name).name == name and name.endswith(".py"):
+            (kernel.workdir / name).write_bytes(data)
+    package = str(kernel.site / "course_attn")
     deadline = time.monotonic() + options.notebook_timeout
     replay: list[int] = []
     restarts = 0
@@ -248,15 +277,17 @@ async def _run_notebook(nb, restored: Restored, evaluations: dict[int, Evaluatio
             if index in evaluations:
                 evaluation = evaluations[index]
                 evaluation.run, evaluation.answer, evaluation.hits = await kernel.evaluate(
-                    _request(evaluation), limit)
+                    _request(evaluation, package), limit)
                 run = evaluation.run
             else:
                 run = runs[index] = await kernel.run(nb.cells[index].source, limit)
-                if run.output_chars > MAX_OUTPUT_CHARS_PER_CELL:
-                    flags.append(f"{restored.label(index)} printed {run.output_chars:,} "
-                                 "characters of output")
             what = restored.label(index) if index not in evaluations else \
                 f"the evaluation of {evaluations[index].graded.grade_id}"
+            if run.status == "output":
+                flags.append(f"{what} printed more than {MAX_OUTPUT_CHARS:,} characters of "
+                             "output and was interrupted; grading went on")
+            elif run.output_chars > MAX_OUTPUT_CHARS_PER_CELL:
+                flags.append(f"{what} printed {run.output_chars:,} characters of output")
             if run.status == "timeout":
                 flags.append(f"{what} was interrupted after {run.evalue} (time limit); "
                              "grading went on")
@@ -286,11 +317,13 @@ async def _run_notebook(nb, restored: Restored, evaluations: dict[int, Evaluatio
 
 
 async def grade_data(name: str, data: bytes | None, canonical_for, options: GradingOptions,
-                     *, read_problem: str | None = None, path: str | None = None) -> NotebookGrade:
+                     *, read_problem: str | None = None, path: str | None = None,
+                     helpers: dict | None = None) -> NotebookGrade:
     """Grade the submitted bytes ``data`` of a file named ``name`` (reported as ``path``).
 
     ``canonical_for(chapter)`` returns that chapter's Canonical or raises GraderError;
-    ``read_problem``: why the file could not be read (``data`` is then None).
+    ``read_problem``: why the file could not be read (``data`` is then None); ``helpers``: the
+    student's Python files beside it (name -> bytes), put in the kernel's working folder.
     """
     started = time.monotonic()
     grade = NotebookGrade(path or name)
@@ -301,9 +334,12 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
     grade.flags.extend(read.notes)
     canonical: Canonical | None = None
     missing = ""
+    grade.sandbox = "bubblewrap" if options.sandbox else "none (--no-sandbox)"
     if grade.chapter is not None:
         try:
             canonical = canonical_for(grade.chapter)
+        except UnknownChapter as error:
+            read.problem = f"not graded: {error}"
         except GraderError as error:
             missing = str(error)
     if nb is None or canonical is None:
@@ -315,6 +351,9 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
     else:
         restored = restore_protected_cells(nb, canonical)
         grade.flags.extend(restored.flags)
+        protected = {i for i, cell in enumerate(nb.cells)
+                     if grade_id(cell) in canonical.protected}
+        grade.flags.extend(review_flags(nb, restored.label, protected))
         seed = options.hidden_seed if options.hidden_seed is not None else secrets.randbits(48)
         evaluations = {}
         checks = sorted(restored.placed.values())
@@ -329,7 +368,7 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
                                          ignore_cleanup_errors=True) as tmp:
             try:
                 runs, run_flags = await _run_notebook(nb, restored, evaluations, options,
-                                                      Path(tmp))
+                                                      Path(tmp), helpers or {})
                 grade.flags.extend(run_flags)
             except GraderError as error:
                 grade.error, grade.grader_error = str(error), True
@@ -355,12 +394,10 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
 
 
 async def _grade_file(path: Path, canonical_for, options: GradingOptions) -> NotebookGrade:
-    try:
-        data, problem = path.read_bytes(), None
-    except OSError as error:
-        data, problem = None, f"could not read the file: {error.strerror or error}"
-    return await grade_data(path.name, data, canonical_for, options, read_problem=problem,
-                            path=str(path))
+    submission = read_submission(path)
+    return await grade_data(path.name, submission.data, canonical_for, options,
+                            read_problem=submission.problem, path=str(path),
+                            helpers=submission.helpers)
 
 
 async def _grade_all(paths, canonical_for, options, jobs, progress):
@@ -393,12 +430,16 @@ def prepare(solutions_dir: Path | str, check_modules: tuple[str, ...] = (), *,
 def grade_notebooks(paths, *, solutions_dir: Path | str, cell_timeout: float = CELL_TIMEOUT_S,
                     notebook_timeout: float = NOTEBOOK_TIMEOUT_S, memory_mb: int = MEMORY_MB,
                     check_modules: tuple[str, ...] = (), extra_path: tuple[str, ...] = (),
-                    hidden_seed: int | None = None, jobs: int = 1,
-                    progress: bool = False) -> list[NotebookGrade]:
+                    hidden_seed: int | None = None, jobs: int = 1, progress: bool = False,
+                    sandbox: bool = True) -> list[NotebookGrade]:
     """Grade each file in ``paths`` (``jobs`` at a time, in this process); never raises for a
-    bad submission. ``batch.grade_files`` does the same in worker processes."""
+    bad submission. ``batch.grade_files`` does the same in worker processes. Raises
+    GraderError when ``sandbox`` is asked for and cannot be had here."""
+    from . import sandbox as sandboxes
+    if sandbox and sandboxes.unavailable():
+        raise GraderError(sandboxes.unavailable())
     options = GradingOptions(cell_timeout, notebook_timeout, memory_mb, tuple(check_modules),
-                             tuple(extra_path), hidden_seed)
+                             tuple(extra_path), hidden_seed, sandbox)
     canonical_for = lookup_in(prepare(solutions_dir, options.check_modules), solutions_dir)
     return run_sync(_grade_all)(list(paths), canonical_for, options, jobs, progress)
 

@@ -1,22 +1,23 @@
-"""What runs inside the student's kernel: values as plain data, a watch for banned calls, and
-the evaluation of one exercise on inputs that the grader sends.
+"""What runs inside the student's kernel: values as plain data, the guard that checks every
+operation the student's function runs, and the evaluation of one exercise on the grader's inputs.
 
 The grader never trusts this code's verdict, because there is none here: the kernel computes the
 student's outputs for the grader's inputs and sends them back as data; the grader compares them
-with references it computes itself (``judge.py``). What this module adds is the watch for banned
-calls, which must run where the student's function runs.
+with references it computes itself (``judge.py``). What this module adds is the guard, which must
+run where the student's function runs.
 
 The module is self-contained (standard library and torch only): the grader sends its source to
-each kernel and runs it there in a fresh namespace, rather than importing the kernel's copy of
-the package, which the submission could have changed. ``check()`` imports it in-process.
+each kernel and installs it there (``install``) before any cell of the submission runs, rather
+than importing the kernel's copy of the package. ``check()`` imports it in-process.
 
 Plain data (``encode`` / ``decode``): None, bool, int, float, str, lists, tuples, dicts with
 string keys, and tensors as ``{"__tensor__": {dtype, shape, device, data (base64 of the raw
-bytes)}}``. Nothing is ever unpickled or executed on decoding.
+bytes)}}``. Only torch's own tensor class is sent, read without running any code of the
+submission (no ``__torch_function__``, no mode); nothing is ever unpickled or executed on
+decoding.
 """
 
 import base64
-import ctypes
 import json
 import math
 import os
@@ -25,11 +26,13 @@ import threading
 import traceback
 
 import torch
+import torch.overrides
+import torch.utils._python_dispatch
 
 MAX_DEPTH = 32
 MAX_BYTES = 64 * 1024 * 1024
 MAX_DIMS = 64
-SWITCHES_OFF = "(it switches off the watch for banned calls)"  # ends the name of such a hit
+SWITCHES_OFF = "(it switches off the check of the operations it runs)"  # ends such a hit
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
     torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)}
@@ -40,35 +43,49 @@ class WireError(ValueError):
 
 
 def encode(value, depth: int = 0):
-    """``value`` as JSON-compatible plain data; raises WireError for anything else."""
+    """``value`` as JSON-compatible plain data; raises WireError for anything else. Numbers,
+    strings and tuples of a subclass are read through their base class, so no method of the
+    submission's runs; a tensor must be torch's own (``torch.Tensor``, ``nn.Parameter``)."""
     if depth > MAX_DEPTH:
         raise WireError("nested too deeply")
-    if value is None or isinstance(value, (bool, str)):
+    if value is None or type(value) is bool:
         return value
-    if isinstance(value, int):
-        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int.__int__(value)
     if isinstance(value, float):
-        return value if math.isfinite(value) else {"__float__": repr(float(value))}
-    if isinstance(value, torch.Tensor):
+        value = float.__float__(value)
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if type(value) in (torch.Tensor, torch.nn.Parameter):
+        return {"__tensor__": _encode_tensor(value)}
+    if type(value) is list or isinstance(value, tuple):
+        items = [encode(item, depth + 1) for item in (list.__iter__(value) if type(value) is list
+                                                      else tuple.__iter__(value))]
+        return items if type(value) is list else {"__tuple__": items}
+    if type(value) is dict:
+        keys = list(dict.keys(value))
+        if not all(type(key) is str for key in keys):
+            raise WireError("a dict whose keys are not all strings")
+        return {"__dict__": {key: encode(dict.__getitem__(value, key), depth + 1)
+                             for key in keys}}
+    raise WireError(f"a value of type {type(value).__name__}")
+
+
+def _encode_tensor(value: torch.Tensor) -> dict:
+    """A tensor's dtype, shape, device and bytes, read with every torch mode and
+    ``__torch_function__`` of the submission switched off."""
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
         tensor = value.detach()
-        if type(tensor) is not torch.Tensor:
-            tensor = tensor.as_subclass(torch.Tensor)
         name = str(tensor.dtype).removeprefix("torch.")
         if name not in _DTYPES:
             raise WireError(f"a tensor of dtype {tensor.dtype}")
         device = str(tensor.device)
         raw = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() \
             if tensor.numel() else b""
-        return {"__tensor__": {"dtype": name, "shape": list(tensor.shape), "device": device,
-                               "data": base64.b64encode(raw).decode("ascii")}}
-    if isinstance(value, (list, tuple)):
-        items = [encode(item, depth + 1) for item in value]
-        return items if isinstance(value, list) else {"__tuple__": items}
-    if isinstance(value, dict):
-        if not all(isinstance(key, str) for key in value):
-            raise WireError("a dict whose keys are not all strings")
-        return {"__dict__": {key: encode(item, depth + 1) for key, item in value.items()}}
-    raise WireError(f"a value of type {type(value).__name__}")
+        shape = list(tensor.shape)
+    return {"dtype": name, "shape": shape, "device": device,
+            "data": base64.b64encode(raw).decode("ascii")}
 
 
 def decode(data, depth: int = 0):
@@ -120,143 +137,136 @@ def _decode_tensor(body: dict) -> torch.Tensor:
     return tensor
 
 
-# --- banned calls -------------------------------------------------------------------------------
+# --- the guard: every operation the student's function runs, checked where torch dispatches ------
 
-def _resolve(dotted: str):
-    """The object a dotted name ("torch.nn.functional.softmax") names, or None."""
-    parts = dotted.split(".")
-    for split in range(len(parts), 0, -1):
-        module = sys.modules.get(".".join(parts[:split]))
-        if module is None:
-            try:
-                module = __import__(".".join(parts[:split]), fromlist=["_"])
-            except Exception:
-                continue
-        obj = module
+SWITCHED_OFF = "the check of the operations it runs, switched off during the call " + \
+    SWITCHES_OFF
+_ALLOWED = object()  # what ``Guard._place`` answers inside an allowed function
+
+
+def function_name(func) -> str:
+    """The name a student knows a torch function by: ``torch.softmax``, ``Tensor.softmax``,
+    ``torch.nn.functional.rms_norm``, ``torch.ops.aten._softmax.default``."""
+    if type(func).__name__ in ("OpOverload", "OpOverloadPacket"):
+        return f"torch.ops.{func}"
+    module = getattr(func, "__module__", None) or "torch"
+    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or \
+        type(func).__name__
+    if qualname.startswith(("TensorBase.", "_TensorBase.")) or \
+            getattr(func, "__objclass__", None) in (torch.Tensor, torch._C.TensorBase):
+        return "torch.Tensor." + qualname.rsplit(".", 1)[-1]
+    qualname = qualname.removeprefix("_VariableFunctionsClass.")
+    public = _PUBLIC_MODULES.get(module)
+    if public is not None:
+        module, qualname = public, qualname.removeprefix(public.rsplit(".", 1)[-1] + "_")
+    return f"{module}.{qualname}"
+
+
+_PUBLIC_MODULES = {"torch._C._special": "torch.special", "torch._C._nn": "torch.nn.functional",
+                   "torch._C._linalg": "torch.linalg", "torch._C._fft": "torch.fft",
+                   "torch._C._VariableFunctions": "torch"}
+
+
+def _stem(name: str) -> str:
+    """The operation a function name stands for, whatever the route: ``torch.ops.aten._softmax.default``,
+    ``torch._softmax`` and ``torch.Tensor.softmax`` all give ``softmax``;
+    ``torch.special.log_softmax`` gives ``log_softmax``."""
+    if name.startswith("torch.ops."):
+        parts = name.split(".")
+        name = parts[3] if len(parts) > 3 else parts[-1]
+    else:
+        name = name.rsplit(".", 1)[-1]
+    name = name.lstrip("_")
+    for prefix in ("special_", "linalg_", "nn_"):
+        name = name.removeprefix(prefix)
+    return name.removesuffix("_")
+
+
+def _refuses(stems: frozenset, name: str) -> bool:
+    stem = _stem(name)
+    return stem in stems or any(stem.startswith(s + "_") for s in stems)
+
+
+class _Functions(torch.overrides.TorchFunctionMode):
+    """Sees each torch function the student calls, by the name the student used."""
+
+    def __init__(self, guard):
+        super().__init__()
+        self.guard = guard
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        guard, name = self.guard, function_name(func)
+        outermost = guard._enter_function(name)
         try:
-            for attr in parts[split:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            return None
-        return obj
-    return None
+            if guard.armed and outermost:
+                guard._check_function(name)
+            return func(*args, **(kwargs or {}))
+        finally:
+            guard._leave_function(outermost)
 
 
-def _code_of(obj):
-    while hasattr(obj, "__wrapped__"):
-        obj = obj.__wrapped__
-    return getattr(obj, "__code__", None)
+class _Operations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Sees each ATen operation that torch dispatches, however the student reached it."""
+
+    def __init__(self, guard):
+        super().__init__()
+        self.guard = guard
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.guard.armed:
+            self.guard._check_operation(func)
+        return func(*args, **(kwargs or {}))
 
 
-class Watch:
-    """Records, from every thread, the banned calls made while it is armed.
+class Guard:
+    """Checks, while armed (``with guard:``), every operation the student's function makes.
 
-    ``banned``: dotted names of functions ("torch.softmax", "torch.nn.functional.softmax"),
-    methods of tensors ("torch.Tensor.softmax") or a whole package ("course_attn": any function
-    defined in it). ``allowed``: dotted names of functions that may be called even so; whatever
-    they call in turn is allowed too. ``report(text)`` is called at once for each new hit (the
-    grader's copy writes it to a file the moment it happens).
+    ``ops``: the ATen operations (``"aten.mul"``, ``"aten._softmax"``, by overload packet) the
+    function may run; any other is a hit, named by the torch function the student called
+    (``torch.special.log_softmax (it runs aten._log_softmax)``). None: any operation.
+    ``refused``: functions refused by name whatever route reaches them (``"rms_norm"`` refuses
+    ``torch.nn.functional.rms_norm``, ``torch.rms_norm`` and ``torch.ops.aten.rms_norm``):
+    the shortcuts that torch decomposes into allowed operations before they are dispatched.
+    ``functions``: Python functions refused by where their code is ((file, qualified name,
+    the name to report)), such as ``torch.nn.attention.bias.causal_lower_right``: any torch
+    operation while one of them is on the stack is a hit. ``package``: a folder (the copy of
+    ``course_attn`` the kernel imports): running code defined in a file in it is a hit, named
+    ``course_attn.masks.causal_mask``, unless the function is one of ``allowed`` ((file
+    relative to the package, qualified name)): whatever an allowed function runs is allowed.
+    ``report(name)`` is called at once for each new hit.
 
-    While armed, a profiler runs in the calling thread, in every thread that already exists
-    (CPython 3.10 and later) and in every thread started through ``threading``; a thread started
-    with ``_thread`` itself, which no profiler follows, is a hit. Switching the profiler off is a
-    hit too: from Python (``sys.setprofile``), and when the watch finds itself switched off
-    after the call. What the profiler cannot see: a C function that C code calls
-    (``map(torch.softmax, ...)``, a ``functools.partial`` of one called inside the student's
-    function); a torch function mode would, but it breaks ``torch.compile`` in the student's
-    code, so the watch does without.
+    Both checks are torch modes, pushed in the calling thread and in every thread started
+    through ``threading`` while the guard is armed. What they cannot see: operations in a
+    thread that was already running, or that ``_thread`` started; and a submission that pops
+    the modes off torch's stacks, which is reported when found after the call.
     """
 
-    _SWITCHES = ("setprofile", "settrace")
-    _THREAD_STARTERS = ("start_new_thread", "start_new", "start_joinable_thread")
-    SWITCHED_OFF = "the profiler or the watch's own state, changed during the call " + \
-        SWITCHES_OFF
-    UNFOLLOWED_THREAD = "_thread.start_new_thread (a thread that the watch for banned calls " \
-                        "cannot follow)"
-
-    def __init__(self, banned=(), allowed=(), report=None):
-        self.names = {}  # code object or builtin -> dotted name
-        self.methods = {}  # tensor method name -> dotted name
-        self.packages = []  # (directory, name)
-        self.allowed_codes = set()
+    def __init__(self, ops=None, refused=(), package=None, allowed=(), report=None,
+                 functions=()):
+        self.ops = None if ops is None else frozenset(ops)
+        self.refused = frozenset(_stem(name) for name in refused)
+        self.functions = {(file, qualname): name for file, qualname, name in functions}
+        self.packages = ()
+        if package:
+            self.packages = tuple({os.path.join(p, "") for p in (package,
+                                                                   os.path.realpath(package))})
+        self.allowed = frozenset((os.path.join(p, file), qualname) for p in self.packages
+                                 for file, qualname in allowed)
         self.hits = []
         self._report = report
+        self._local = threading.local()
         self.armed = False
-        self._hook = self.hook  # one bound method, so that ``sys.getprofile() is`` it
-        self._threads = {}  # thread state -> (its profile function, its profile object)
-        self._failed = False
-        for name in banned:
-            self._ban(name)
-        for name in allowed:
-            code = _code_of(_resolve(name))
-            if code is not None:
-                self.allowed_codes.add(code)
-        switches = [getattr(module, name + suffix) for module in (sys, threading)
-                    for name in self._SWITCHES for suffix in ("", "_all_threads")
-                    if hasattr(module, name + suffix)]
-        self.switches = {id(s) for s in switches}  # C functions (sys's)
-        self.switch_codes = {s.__code__: f"{s.__module__}.{s.__name__}" for s in switches
-                             if hasattr(s, "__code__")}  # Python functions (threading's)
-        import _thread
-        self.thread_starters = {id(getattr(_thread, s)) for s in self._THREAD_STARTERS
-                                if hasattr(_thread, s)}
 
-    def _ban(self, name: str) -> None:
-        if name.startswith("torch.Tensor."):
-            attribute = name.rsplit(".", 1)[1]
-            self.methods[attribute] = name  # a method written in C: seen as a bound builtin
-            code = _code_of(getattr(torch.Tensor, attribute, None))
-            if code is not None:  # a method written in Python (Tensor.backward)
-                self.names[code] = name
-            return
-        obj = _resolve(name)
-        if obj is None:
-            return
-        path = getattr(obj, "__path__", None)
-        if path:  # a package
-            self.packages.extend((os.path.join(p, ""), name) for p in path)
-            return
-        code = _code_of(obj)
-        self.names[code if code is not None else obj] = name
-        if code is None:
-            self.names[id(obj)] = name
-
-    def _banned_name(self, frame, event, arg):
-        if event == "call":
-            code = frame.f_code
-            if code in self.switch_codes:
-                return f"{self.switch_codes[code]} {SWITCHES_OFF}"
-            name = self.names.get(code)
-            if name is None and self.packages and code not in self.allowed_codes:
-                for directory, package in self.packages:
-                    if code.co_filename.startswith(directory):
-                        qualname = getattr(code, "co_qualname", code.co_name)
-                        module = frame.f_globals.get("__name__", package)
-                        name = f"{module}.{qualname}"
-                        break
-            return name
-        if event == "c_call":
-            if id(arg) in self.switches:
-                return f"{getattr(arg, '__module__', None) or 'sys'}.{arg.__name__} " + \
-                    SWITCHES_OFF
-            if id(arg) in self.thread_starters and not (
-                    frame.f_code.co_filename == threading.__file__ and
-                    getattr(threading, "_profile_hook", None) is self._hook):
-                return self.UNFOLLOWED_THREAD
-            name = self.names.get(id(arg))
-            if name is None and self.methods and isinstance(getattr(arg, "__self__", None),
-                                                            torch.Tensor):
-                name = self.methods.get(getattr(arg, "__name__", None))
-            return name
-        return None
-
-    def _allowed_caller(self, frame) -> bool:
-        frame = frame.f_back
-        while frame is not None:
-            if frame.f_code in self.allowed_codes:
-                return True
-            frame = frame.f_back
+    # the outermost torch function the student called, per thread
+    def _enter_function(self, name) -> bool:
+        if getattr(self._local, "function", None) is None:
+            self._local.function = name
+            return True
         return False
+
+    def _leave_function(self, outermost: bool) -> None:
+        if outermost:
+            self._local.function = None
 
     def _hit(self, name: str) -> None:
         if name not in self.hits:
@@ -264,184 +274,117 @@ class Watch:
             if self._report is not None:
                 self._report(name)
 
-    def hook(self, frame, event, arg):
-        if not self.armed or event not in ("call", "c_call") or \
-                frame.f_code in _OWN_CODES:
+    def _place(self):
+        """_ALLOWED inside an allowed function of the package; else the name of the outermost
+        refused function (of the package, or of ``functions``) on the stack; else None."""
+        if not self.packages and not self.functions:
+            return None
+        frame, found = sys._getframe(3), None
+        while frame is not None and frame.f_code is not _CALL_CODE:
+            code = frame.f_code
+            place = (code.co_filename, getattr(code, "co_qualname", code.co_name))
+            if place in self.functions:
+                found = self.functions[place]
+            elif self.packages and place[0].startswith(self.packages) and \
+                    place[0] != _OWN_FILE:
+                if place in self.allowed:
+                    return _ALLOWED
+                found = _package_name(*place)
+            frame = frame.f_back
+        return found
+
+    def _check_function(self, name: str) -> None:
+        place = self._place()
+        if place is _ALLOWED:
             return
-        try:
-            name = self._banned_name(frame, event, arg)
-            if name is None or self._allowed_caller(frame if event == "call" else
-                                                   _FrameShim(frame)):
-                return
+        if place is not None:
+            self._hit(place)
+        elif self.refused and _refuses(self.refused, name):
             self._hit(name)
-        except (KeyboardInterrupt, RecursionError, MemoryError):
-            # An interrupt (the time limit), a recursion or memory error raised in here makes
-            # CPython drop the profiler; that is no switching off by the submission.
-            self._failed = True
-            raise
 
-    def check_target(self, target) -> None:
-        """A hit if the exercise's function is itself a banned function (``stable_softmax =
-        torch.softmax``, or a ``functools.partial`` or a decorated copy of one): the grader
-        calls it from the watch's own frame, which the profiler does not watch."""
-        import functools
-        try:
-            for _ in range(10):
-                name = self._target_name(target)
-                if name is not None:
-                    self._hit(name)
-                    return
-                if isinstance(target, functools.partial):
-                    target = target.func
-                else:
-                    target = getattr(target, "__wrapped__", None) or \
-                        getattr(target, "__func__", None)
-                if target is None:
-                    return
-        except Exception:  # an object that answers oddly is no banned function
+    def _check_operation(self, func) -> None:
+        place = self._place()
+        if place is _ALLOWED:
             return
+        if place is not None:
+            self._hit(place)
+            return
+        op = str(getattr(func, "overloadpacket", func))
+        if self.ops is not None and op not in self.ops:
+            called = getattr(self._local, "function", None)
+            self._hit(f"{called} (it runs {op})" if called else op)
 
-    def _target_name(self, target):
-        code = getattr(target, "__code__", None)
-        name = self.names.get(code) if code is not None else self.names.get(id(target))
-        method = getattr(target, "__name__", None)
-        if name is None and self.methods and isinstance(method, str) and (
-                isinstance(getattr(target, "__self__", None), torch.Tensor) or
-                getattr(torch.Tensor, method, None) is target):
-            name = self.methods.get(method)
-        return name
+    def call(self, target, args, kwargs):
+        """``target(*args, **kwargs)`` under the guard (its frame ends the stack walks)."""
+        with _compile_stance(), self:
+            return target(*args, **kwargs)
 
     def __enter__(self):
-        self._failed = False
-        self._previous = sys.getprofile()
-        threading.setprofile(self._hook)
-        sys.setprofile(self._hook)
-        self._threads = _profile_other_threads(self._hook)
-        self.armed = True  # only now: setting the profilers up is no switching off
+        self._modes = (_Functions(self), _Operations(self))
+        for mode in self._modes:
+            mode.__enter__()
+        self._start = threading.Thread.start
+        guard = self
+
+        def start(thread, *a, **k):  # a thread started meanwhile runs under the same modes
+            run = thread.run
+
+            def guarded_run():
+                functions, operations = _Functions(guard), _Operations(guard)
+                with functions, operations:
+                    run()
+            thread.run = guarded_run
+            return guard._start(thread, *a, **k)
+        threading.Thread.start = start
+        self.armed = True
         return self
 
     def __exit__(self, *exc):
-        switched_off = not self._failed and (self.armed is not True or
-                                             sys.getprofile() is not self._hook)
         self.armed = False
-        _unprofile_other_threads(self._hook, self._threads)
-        self._threads = {}
-        sys.setprofile(self._previous if self._previous is not self._hook else None)
-        threading.setprofile(None)
-        if switched_off:
-            self._hit(self.SWITCHED_OFF)
+        threading.Thread.start = self._start
+        functions, operations = self._modes
+        on_top = _top_dispatch_mode() is operations and _top_function_mode() is functions
+        if on_top:
+            operations.__exit__(None, None, None)
+            functions.__exit__(None, None, None)
+        else:
+            self._hit(SWITCHED_OFF)
         return False
 
 
-# --- the profiler in threads that already run ---------------------------------------------------
-
-class _ThreadState310(ctypes.Structure):  # the head of CPython 3.10's PyThreadState
-    _fields_ = [("prev", ctypes.c_void_p), ("next", ctypes.c_void_p),
-                ("interp", ctypes.c_void_p), ("frame", ctypes.c_void_p),
-                ("recursion_depth", ctypes.c_int), ("recursion_headroom", ctypes.c_int),
-                ("stackcheck_counter", ctypes.c_int), ("tracing", ctypes.c_int),
-                ("cframe", ctypes.c_void_p), ("c_profilefunc", ctypes.c_void_p),
-                ("c_tracefunc", ctypes.c_void_p), ("c_profileobj", ctypes.c_void_p),
-                ("c_traceobj", ctypes.c_void_p)]
+def _top_dispatch_mode():
+    stack = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+    return stack[-1] if stack else None
 
 
-class _ThreadState311(ctypes.Structure):  # the head of CPython 3.11's PyThreadState
-    _fields_ = [("prev", ctypes.c_void_p), ("next", ctypes.c_void_p),
-                ("interp", ctypes.c_void_p), ("_initialized", ctypes.c_int),
-                ("_static", ctypes.c_int), ("recursion_remaining", ctypes.c_int),
-                ("recursion_limit", ctypes.c_int), ("recursion_headroom", ctypes.c_int),
-                ("tracing", ctypes.c_int), ("tracing_what", ctypes.c_int),
-                ("cframe", ctypes.c_void_p), ("c_profilefunc", ctypes.c_void_p),
-                ("c_tracefunc", ctypes.c_void_p), ("c_profileobj", ctypes.c_void_p),
-                ("c_traceobj", ctypes.c_void_p)]
+def _top_function_mode():
+    stack = torch.overrides._get_current_function_mode_stack()
+    return stack[-1] if stack else None
 
 
-def _c_api():
-    """CPython's functions for walking thread states and setting their profiler, and the
-    layout of a thread state; None where this is not CPython 3.10 or 3.11."""
-    layout = {(3, 10): _ThreadState310, (3, 11): _ThreadState311}.get(sys.version_info[:2])
-    if layout is None or sys.implementation.name != "cpython":
-        return None
-    try:
-        api = ctypes.PyDLL(None)
-        functions = {}
-        for name, args in (("PyThreadState_Get", []), ("PyInterpreterState_Get", []),
-                           ("PyInterpreterState_ThreadHead", [ctypes.c_void_p]),
-                           ("PyThreadState_Next", [ctypes.c_void_p]),
-                           ("_PyEval_SetProfile", [ctypes.c_void_p] * 3)):
-            function = getattr(api, name)
-            function.argtypes = args
-            function.restype = ctypes.c_int if name == "_PyEval_SetProfile" else ctypes.c_void_p
-            functions[name] = function
-    except (AttributeError, OSError):
-        return None
-    return functions, layout
+def _package_name(filename: str, qualname: str) -> str:
+    """``.../course_attn/masks.py`` and ``causal_mask`` -> ``course_attn.masks.causal_mask``."""
+    parts = filename.removesuffix(".py").replace(os.sep, "/").split("/")
+    start = max((i for i, part in enumerate(parts) if part == "course_attn"), default=len(parts) - 1)
+    module = ".".join(p for p in parts[start:] if p != "__init__")
+    return f"{module}.{qualname}"
 
 
-def _thread_states(api):
-    state = api["PyInterpreterState_ThreadHead"](api["PyInterpreterState_Get"]())
-    while state:
-        yield state
-        state = api["PyThreadState_Next"](state)
+def _compile_stance():
+    """Graded functions run uncompiled: a cold ``torch.compile`` takes a minute on a small
+    machine, and compiled code runs where the guard cannot see it. Only where the submission
+    imported the compiler already."""
+    if "torch._dynamo" not in sys.modules or not hasattr(torch.compiler, "set_stance"):
+        return _Nothing()
+    return torch.compiler.set_stance("force_eager")
 
 
-def _profile_other_threads(hook) -> dict:
-    """Give every other thread of this interpreter the profiler ``hook`` (which this thread
-    already has); returns what each had before, for ``_unprofile_other_threads``."""
-    if hasattr(threading, "setprofile_all_threads"):  # Python 3.12 and later
-        threading.setprofile_all_threads(hook)
-        return {}
-    found = _c_api()
-    if found is None:
-        return {}
-    api, layout = found
-    try:
-        me = api["PyThreadState_Get"]()
-        mine = layout.from_address(me)
-        # The layout is right only if this thread's profiler is the hook just set.
-        if mine.c_profileobj != id(hook) or mine.interp != api["PyInterpreterState_Get"]():
-            return {}
-        before = {}
-        for state in _thread_states(api):
-            if state == me:
-                continue
-            head = layout.from_address(state)
-            old = ctypes.cast(head.c_profileobj, ctypes.py_object).value \
-                if head.c_profileobj else None
-            before[state] = (head.c_profilefunc, old)
-            api["_PyEval_SetProfile"](state, mine.c_profilefunc, id(hook))
-        return before
-    except Exception:
-        return {}
+class _Nothing:
+    def __enter__(self):
+        return self
 
-
-def _unprofile_other_threads(hook, before: dict) -> None:
-    if hasattr(threading, "setprofile_all_threads"):
-        threading.setprofile_all_threads(None)
-        return
-    found = _c_api()
-    if found is None:
-        return
-    api, layout = found
-    try:
-        me = api["PyThreadState_Get"]()
-        for state in _thread_states(api):
-            head = layout.from_address(state)
-            if state == me or head.c_profileobj != id(hook):
-                continue
-            function, old = before.get(state, (None, None))
-            if old is None:
-                function = None
-            api["_PyEval_SetProfile"](state, function, None if old is None else id(old))
-    except Exception:
-        pass
-
-
-class _FrameShim:
-    """For a C call, the calling frame is the innermost Python frame: start the search there."""
-
-    def __init__(self, frame):
-        self.f_back = frame
+    def __exit__(self, *exc):
+        return False
 
 
 # --- evaluating an exercise in the kernel --------------------------------------------------------
@@ -456,56 +399,43 @@ def error_as_data(error: BaseException) -> dict:
             "line": where[0].lineno if where else None}
 
 
-def evaluate(request_path: str, namespace: dict) -> None:
-    """Run one exercise's cases as the grader asked in ``request_path`` (JSON), on the function
-    or value that ``namespace`` (the notebook's globals) holds, and write the answer next to it.
+def evaluate(request: dict, namespace: dict, report=None) -> dict:
+    """Run one exercise's cases as the grader asked, on the function or value that
+    ``namespace`` (the notebook's globals) holds; returns the answer.
 
     Request: ``{"name": "causal_mask", "kind": "function" | "value", "cases": [{"args": ...,
-    "kwargs": ...}], "banned": [...], "allowed": [...], "hits": PATH, "answer": PATH}``.
-    Answer: ``{"found": bool, "results": [{"value": ...} | {"error": {...}} | {"unencodable":
-    "..."}, ...], "mutated": [[case, argument], ...], "banned": [names]}``. Banned calls are also
-    appended to the ``hits`` file the moment they happen.
+    "kwargs": ...}], "ops": [...] | None, "refused": [...], "package": PATH | None,
+    "allowed": [[file, qualname], ...]}``. Answer: ``{"found": bool, "results": [{"value": ...}
+    | {"error": {...}} | {"unencodable": "..."}, ...], "mutated": [[case, argument], ...],
+    "banned": [names]}``. ``report(name)`` is called the moment a hit happens.
     """
-    with open(request_path, encoding="utf-8") as file:
-        request = json.load(file)
-    hits_fd = os.open(request["hits"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-
-    def report(name):
-        os.write(hits_fd, (json.dumps(name) + "\n").encode())
-
-    answer = {"found": request["name"] in namespace, "results": [], "mutated": [], "banned": []}
-    target = namespace.get(request["name"])
-    watch = Watch(request.get("banned", ()), request.get("allowed", ()), report)
-    if answer["found"] and request["kind"] != "value":
-        watch.check_target(target)
-    try:
-        for number, case in enumerate(request["cases"] if answer["found"] else []):
-            if request["kind"] == "value":
-                result, args = target, []
-            else:
-                args, kwargs = decode(case["args"]), decode(case["kwargs"])
-                before = json.dumps(encode(args), sort_keys=True)
-                try:
-                    with watch:
-                        result = target(*args, **kwargs)
-                except BaseException as error:  # the student's error is the answer to report
-                    if isinstance(error, KeyboardInterrupt):
-                        raise
-                    answer["results"].append({"error": error_as_data(error)})
-                    continue
-                if json.dumps(encode(args), sort_keys=True) != before:
-                    answer["mutated"].append([number, _changed_argument(args, before)])
+    name = request["name"]
+    answer = {"found": name in namespace, "results": [], "mutated": [], "banned": []}
+    target = namespace.get(name)
+    guard = Guard(request.get("ops"), request.get("refused", ()), request.get("package"),
+                  [tuple(item) for item in request.get("allowed", ())], report,
+                  [tuple(item) for item in request.get("functions", ())])
+    for number, case in enumerate(request["cases"] if answer["found"] else []):
+        if request["kind"] == "value":
+            result, args = target, []
+        else:
+            args, kwargs = decode(case["args"]), decode(case["kwargs"])
+            before = json.dumps(encode(args), sort_keys=True)
             try:
-                answer["results"].append({"value": encode(result)})
-            except WireError as error:
-                answer["results"].append({"unencodable": str(error)})
-    finally:
-        os.close(hits_fd)
-    answer["banned"] = list(watch.hits)
-    partial = request["answer"] + ".partial"
-    with open(partial, "w", encoding="utf-8") as file:
-        json.dump(answer, file)
-    os.replace(partial, request["answer"])
+                result = guard.call(target, args, kwargs)
+            except BaseException as error:  # the student's error is the answer to report
+                if isinstance(error, KeyboardInterrupt):
+                    raise
+                answer["results"].append({"error": error_as_data(error)})
+                continue
+            if json.dumps(encode(args), sort_keys=True) != before:
+                answer["mutated"].append([number, _changed_argument(args, before)])
+        try:
+            answer["results"].append({"value": encode(result)})
+        except WireError as error:
+            answer["results"].append({"unencodable": str(error)})
+    answer["banned"] = list(guard.hits)
+    return answer
 
 
 def _changed_argument(args, before: str) -> int:
@@ -517,24 +447,33 @@ def _changed_argument(args, before: str) -> int:
     return 0
 
 
-def _own_codes() -> frozenset:
-    """The code objects of this module's functions and methods (nested ones too): the watch's
-    own frames, which it does not watch. By identity, not by file name, which any code can
-    claim."""
-    found, todo = set(), []
-    for value in list(globals().values()):
-        if isinstance(value, type) and value.__module__ == __name__:
-            todo.extend(getattr(v, "__code__", None) for v in vars(value).values())
-        todo.append(getattr(value, "__code__", None))
-    while todo:
-        code = todo.pop()
-        if code is None or not hasattr(code, "co_consts") or code in found:
-            continue
-        if code.co_filename != _own_codes.__code__.co_filename:
-            continue
-        found.add(code)
-        todo.extend(c for c in code.co_consts if hasattr(c, "co_consts"))
-    return frozenset(found)
+def install(namespace: dict, hits_fd: int, token: str) -> None:
+    """Set up the grader's side in a kernel, before any cell of the submission has run: keep
+    the notebook's namespace, and define a class ``CourseAttnHarness_<token>`` through which
+    the grader's expression reaches ``evaluate`` without looking a single name up in that
+    namespace (``().__class__.__base__.__subclasses__()`` holds it; a student's variable
+    named ``exec`` or ``json`` changes nothing). Hits are written to ``hits_fd``, a pipe only
+    the grader reads, the moment they happen: what is written cannot be taken back."""
+    def report(name):
+        try:
+            os.write(hits_fd, (json.dumps(name) + "\n").encode())
+        except OSError:
+            pass
+
+    def run(request_json: str) -> str:
+        return json.dumps(evaluate(json.loads(request_json), namespace, report))
+
+    harness = type(f"CourseAttnHarness_{token}", (), {"evaluate": staticmethod(run)})
+    sys.modules[f"course_attn_harness_{token}"] = sys.modules.get(__name__) or harness
+    _KEEP.append(harness)
 
 
-_OWN_CODES = _own_codes()
+def expression(token: str, request: dict) -> str:
+    """The grader's user expression that runs ``request`` in a kernel set up by ``install``."""
+    return ("[c for c in ().__class__.__base__.__subclasses__() if c.__name__ == "
+            f"'CourseAttnHarness_{token}'][0].evaluate({json.dumps(request)!r})")
+
+
+_KEEP: list = []
+_CALL_CODE = Guard.call.__code__
+_OWN_FILE = _CALL_CODE.co_filename  # this module's frames are the guard's, never the student's

@@ -1,6 +1,8 @@
-"""Reading a submitted notebook: bytes -> nbformat 4 (older versions converted), or the reason
-it is not one; and which chapter it belongs to. The student's file is only ever read."""
+"""Reading a submission: its bytes (and the student's Python files beside it), read once, into
+memory; bytes -> nbformat 4 (older versions converted), or the reason it is not one; and which
+chapter it belongs to. The student's files are only ever read."""
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -85,3 +87,58 @@ def parse_notebook(data: bytes, suffix: str = ".ipynb") -> ReadNotebook:
         if cell.cell_type == "code":
             cell["outputs"], cell["execution_count"] = [], None
     return ReadNotebook(nb, None, notes)
+
+
+MAX_SUBMISSION_BYTES = 50 * 1024 * 1024
+
+
+MAX_HELPER_FILES, MAX_HELPER_BYTES = 50, 1024 * 1024
+
+
+@dataclass
+class Submission:
+    """One submitted file, read into memory. ``problem``: why it could not be read.
+    ``helpers``: the Python files beside it (name -> bytes), which its kernel finds in its
+    working folder, so that ``import my_helpers`` works as it did for the student."""
+
+    path: Path
+    student: str | None = None
+    data: bytes | None = None
+    problem: str | None = None
+    sha256: str | None = None
+    helpers: dict = field(default_factory=dict)
+
+
+def read_helpers(folder: Path) -> dict[str, bytes]:
+    """The ``*.py`` files of ``folder`` (at most MAX_HELPER_FILES, each at most
+    MAX_HELPER_BYTES; links and larger files left out)."""
+    found = {}
+    for path in sorted(folder.glob("*.py"))[:MAX_HELPER_FILES]:
+        try:
+            if path.is_file() and not path.is_symlink() and \
+                    path.stat().st_size <= MAX_HELPER_BYTES:
+                found[path.name] = path.read_bytes()
+        except OSError:
+            continue
+    return found
+
+
+def read_submission(path: Path, student: str | None = None, *,
+                    helpers: bool = True) -> Submission:
+    """``path``'s bytes (at most MAX_SUBMISSION_BYTES), their SHA-256, and (with ``helpers``)
+    the Python files beside it."""
+    submission = Submission(path, student)
+    try:
+        size = path.stat().st_size
+        if size > MAX_SUBMISSION_BYTES:
+            submission.problem = (f"not graded: the file has {size:,} bytes, more than the "
+                                  f"{MAX_SUBMISSION_BYTES:,} a notebook may have")
+            return submission
+        submission.data = path.read_bytes()
+    except OSError as error:
+        submission.problem = f"could not read the file: {error.strerror or error}"
+        return submission
+    submission.sha256 = hashlib.sha256(submission.data).hexdigest()
+    if helpers:
+        submission.helpers = read_helpers(path.parent)
+    return submission

@@ -28,6 +28,7 @@ class NotebookGrade:
     error: str | None = None
     grader_error: bool = False
     seconds: float = 0.0
+    sandbox: str = ""  # how its kernel was isolated: "bubblewrap, cgroup limits", or "none"
 
     @property
     def total(self) -> float:
@@ -41,7 +42,8 @@ class NotebookGrade:
         return {"path": self.path, "chapter": self.chapter, "total": self.total,
                 "max": self.max_points, "exercises": [asdict(e) for e in self.exercises],
                 "flags": list(self.flags), "error": self.error,
-                "grader_error": self.grader_error, "seconds": round(self.seconds, 2)}
+                "grader_error": self.grader_error, "seconds": round(self.seconds, 2),
+                "sandbox": self.sandbox}
 
 
 def report(grades: list[NotebookGrade]) -> dict:

@@ -1,0 +1,144 @@
+"""What an implementation exercise may run: ATen operations, by overload packet (``"aten.mul"``),
+as torch dispatches them. The grader sends an exercise's list to the kernel; the guard in
+``harness.py`` refuses, by name, any operation outside it, however the student reached it
+(``torch.softmax``, ``Tensor.softmax``, ``torch._softmax``, ``torch.ops.aten._softmax``, a
+``map`` over rows: every one runs ``aten._softmax``).
+
+``ELEMENTARY`` is what any computation is made of: elementwise arithmetic and comparisons,
+reductions, views and copies, creating tensors, a tensor's metadata (dtype promotion, sizes),
+matrix products, indexing, concatenation, sorting. What it leaves out are the shortcuts the course asks students to write themselves:
+the softmax family, attention kernels, normalisation layers, ``logcumsumexp``. An exercise adds
+back a family it does not teach (``SOFTMAX`` where softmax is an earlier chapter's tool).
+
+Some shortcuts are composites that torch decomposes into elementary operations before
+dispatching them (``F.rms_norm`` becomes pow, mean, rsqrt, mul; ``repeat_interleave`` becomes
+expand and clone): those an exercise refuses by function name (``Exercise.banned``), which the
+guard matches whatever route reached the function.
+"""
+
+import torch
+
+_TAGGED = (torch.Tag.pointwise, torch.Tag.reduction)
+
+# Built from names, not from tags, where tags do not say it (creation, linear algebra, indexing).
+_CREATION = """empty empty_like empty_strided new_empty new_empty_strided new_zeros new_ones new_full
+zeros zeros_like ones ones_like full full_like fill fill_ zero_ arange linspace logspace eye
+scalar_tensor lift_fresh lift_fresh_copy clone _to_copy copy copy_ _copy_from
+_copy_from_and_resize resize_ contiguous _local_scalar_dense item equal is_nonzero is_same_size
+_unsafe_view _reshape_copy view_copy expand_copy permute_copy transpose_copy unsqueeze_copy
+squeeze_copy select_copy slice_copy alias_copy detach_copy t_copy rand rand_like randn
+randn_like randint randint_like randperm normal normal_ uniform_ bernoulli bernoulli_ random_
+exponential_ multinomial complex polar resolve_conj resolve_neg _conj _neg_view conj
+_assert_async _assert_scalar _functional_assert_async _functional_assert_scalar detach_
+squeeze_ unsqueeze_ t_ transpose_ as_strided_ _has_compatible_shallow_copy_type"""
+_METADATA = """promote_types result_type can_cast is_floating_point is_complex is_signed
+is_same_size numel size stride dim is_contiguous storage_offset is_set_to is_pinned _version
+output_nr sym_size sym_stride sym_numel sym_storage_offset is_conj is_neg is_inference
+is_leaf requires_grad_ retain_grad _is_zerotensor"""
+_LINEAR_ALGEBRA = """mm bmm addmm addbmm baddbmm addmv mv dot vdot outer ger _addmm_activation
+linear matmul kron block_diag diag diag_embed diagflat tensordot einsum _cdist_forward cdist"""
+_INDEXING = """index index_select index_put index_put_ _index_put_impl_ index_add index_add_
+index_copy index_copy_ index_fill index_fill_ gather scatter scatter_ scatter_add scatter_add_
+scatter_reduce scatter_reduce_ masked_scatter masked_scatter_ masked_select masked_fill_ nonzero
+nonzero_static take take_along_dim cat stack hstack vstack tril tril_ triu triu_ tril_indices
+triu_indices roll flip fliplr flipud rot90 repeat tile constant_pad_nd narrow_copy
+select_scatter slice_scatter diagonal_scatter as_strided_scatter sort argsort topk kthvalue
+cummax cummin cumsum cumsum_ cumprod cumprod_ searchsorted bucketize _unique2 unique_dim
+unique_consecutive bincount histc isin embedding one_hot where"""
+
+
+def _packets() -> dict[str, torch._ops.OpOverloadPacket]:
+    found = {}
+    for name in dir(torch.ops.aten):
+        try:
+            packet = getattr(torch.ops.aten, name)
+        except (AttributeError, RuntimeError):
+            continue
+        if hasattr(packet, "overloads"):
+            found[name] = packet
+    return found
+
+
+def _tagged_and_views(packets) -> set[str]:
+    chosen = set()
+    for name, packet in packets.items():
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if op.is_view or any(tag in op.tags for tag in _TAGGED):
+                chosen.add(name)
+    return chosen
+
+
+SOFTMAX = frozenset({"aten._softmax", "aten._safe_softmax", "aten._softmax_backward_data",
+                     "aten._log_softmax", "aten._log_softmax_backward_data", "aten.logsumexp",
+                     "aten.softmax", "aten.log_softmax"})
+LOGCUMSUMEXP = frozenset({"aten.logcumsumexp", "aten._logcumsumexp"})
+
+_PACKETS = _packets()
+ELEMENTARY = frozenset(
+    f"aten.{name}" for name in (_tagged_and_views(_PACKETS) |
+                                set(f"{_CREATION} {_METADATA} {_LINEAR_ALGEBRA} {_INDEXING}".split()))
+    if name in _PACKETS) - SOFTMAX - LOGCUMSUMEXP
+NONE: frozenset = frozenset()  # an answer worked out with arithmetic: no tensor at all
+
+
+def refuses_softmax(banned) -> bool:
+    """Whether an exercise that refuses these function names refuses the softmax family."""
+    return any(name.rsplit(".", 1)[-1].lstrip("_") in ("softmax", "log_softmax", "logsumexp")
+               for name in banned)
+
+
+def default_operations(banned) -> frozenset:
+    """The operations of an implementation exercise that declares none: the elementary ones,
+    and the softmax family unless the exercise refuses softmax by name."""
+    return ELEMENTARY if refuses_softmax(banned) else ELEMENTARY | SOFTMAX
+
+
+def guard_options(exercise, package: str | None) -> dict:
+    """What the guard needs for ``exercise`` (``harness.Guard``'s arguments, as plain data):
+    the operations it may run; the functions it refuses by name (``refused``: torch's
+    functions, matched by name whatever the route; ``functions``: Python functions, matched by
+    where their code is); the package folder whose code it may not run (``package``, where the
+    exercise bans ``"course_attn"``) and the package's functions it may run all the same
+    (``allowed``: file relative to the package, and qualified name)."""
+    from pathlib import Path
+    here = Path(__file__).resolve().parents[1]  # the package this process imported
+    allowed = []
+    for dotted in exercise.allowed:
+        code = _code_of(dotted)
+        if code is not None:
+            allowed.append([str(Path(code.co_filename).resolve().relative_to(here)),
+                            getattr(code, "co_qualname", code.co_name)])
+    functions = []
+    for dotted in exercise.banned:
+        code = _code_of(dotted) if dotted != "course_attn" else None
+        if code is not None:
+            functions.append([code.co_filename, getattr(code, "co_qualname", code.co_name),
+                              dotted])
+    ops = exercise.operations()
+    return {"ops": None if ops is None else sorted(ops),
+            "refused": [name for name in exercise.banned if name != "course_attn"],
+            "functions": functions,
+            "package": package if "course_attn" in exercise.banned else None,
+            "allowed": allowed}
+
+
+def _code_of(dotted: str):
+    """The code object of the Python function a dotted name names (unwrapped), or None (a
+    builtin, or a name that does not resolve here)."""
+    import importlib
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for attribute in parts[split:]:
+                obj = getattr(obj, attribute)
+        except AttributeError:
+            return None
+        while hasattr(obj, "__wrapped__"):
+            obj = obj.__wrapped__
+        return getattr(obj, "__code__", None)
+    return None

@@ -1,0 +1,73 @@
+"""Flags for a human reviewer: code in a submission that reaches for the machinery around it.
+
+The sandbox keeps a submission from the grader, the other kernels and the solutions; the guard
+checks every operation the graded functions run. What a submission can still do is undo the
+guard inside its own process (pop torch's modes, walk the stack to the grader's frames, patch
+the interpreter). That is deliberate, and visible in the code: these flags point a reviewer at
+it. They cost no points; honest code rarely needs any of these names.
+
+The scan reads the submission's code cells as text (it never runs them), tokenised, so a name in
+a comment or a string is not flagged, and a name built at run time is: ``"sys._getframe"`` in a
+string is not, ``getattr(sys, "_get" + "frame")`` is, through its ``getattr`` of ``sys``.
+"""
+
+import io
+import re
+import tokenize
+
+# (pattern over the code's names and attributes, what to tell the reviewer)
+_SIGNS = (
+    (r"\bsys\s*\.\s*_getframe\b|\bsys\s*\.\s*_current_frames\b|\binspect\s*\.\s*(currentframe|stack|getouterframes)\b|\.f_back\b|\.f_globals\b|\.f_locals\b",
+     "walks the call stack (sys._getframe, inspect.stack, f_back)"),
+    (r"\bgc\s*\.\s*(get_objects|get_referrers|get_referents)\b|\bimport\s+gc\b",
+     "searches the interpreter's objects (gc)"),
+    (r"\bctypes\b|\bcffi\b", "calls C directly (ctypes)"),
+    (r"/proc\b", "reads /proc"),
+    (r"\bos\s*\.\s*(kill|killpg)\b|\bsignal\s*\.\s*(pthread_kill|raise_signal)\b",
+     "sends signals (os.kill)"),
+    (r"__torch_function__|__torch_dispatch__|TorchFunctionMode|TorchDispatchMode|"
+     r"_python_dispatch|_pop_mode|_push_mode|_pop_torch|_push_on_torch|DisableTorchFunction|"
+     r"_DisableTorchDispatch|_disable_current_modes",
+     "hooks into torch's dispatch (__torch_function__, torch modes)"),
+    (r"course_attn\s*\.\s*grading|from\s+course_attn\s+import\s+grading|CourseAttnHarness",
+     "imports or reaches the grader's package (course_attn.grading)"),
+    (r"\bsys\s*\.\s*(setprofile|settrace)\b|\bthreading\s*\.\s*(setprofile|settrace)|"
+     r"\bsys\s*\.\s*modules\s*(\[[^\]]*\]\s*=[^=]|\.\s*(pop|update|clear|setdefault|__setitem__))|"
+     r"\bdel\s+sys\s*\.\s*modules",
+     "changes the interpreter's hooks or module table (sys.setprofile, sys.modules)"),
+    (r"__subclasses__|__builtins__|\bbuiltins\b|co_filename|CodeType|\.__code__\s*=",
+     "rewrites or searches Python's own objects (builtins, code objects, __subclasses__)"),
+    (r"\b_thread\b|\bos\s*\.\s*fork\b|\bmultiprocessing\b|\bsubprocess\b|\bos\s*\.\s*(system|exec\w*|spawn\w*|popen)\b",
+     "starts processes or raw threads (subprocess, os.fork, _thread)"),
+)
+_COMPILED = tuple((re.compile(pattern), why) for pattern, why in _SIGNS)
+
+
+def _code_only(source: str) -> str:
+    """``source`` without its comments and string literals (IPython magics and shell lines,
+    which are not Python, are kept as they are)."""
+    kept = []
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type not in (tokenize.COMMENT, tokenize.STRING):
+                kept.append(token.string)
+            elif token.type == tokenize.STRING and "/proc" in token.string:
+                kept.append("/proc")  # a path is data, but this one is a sign
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return source
+    return " ".join(kept)
+
+
+def review_flags(nb, label, protected=frozenset()) -> list[str]:
+    """One flag per kind of sign, naming the cells it is in (``label(index)`` names a cell);
+    the cells at ``protected`` indices (the course's own, put back) are not read."""
+    found: dict[str, list[str]] = {}
+    for index, cell in enumerate(nb.cells):
+        if index in protected or cell.cell_type != "code" or not cell.source.strip():
+            continue
+        code = _code_only(cell.source)
+        for pattern, why in _COMPILED:
+            if pattern.search(code):
+                found.setdefault(why, []).append(label(index))
+    return [f"for review (no points lost): {', '.join(cells)} {why}"
+            for why, cells in found.items()]

@@ -1,0 +1,258 @@
+"""The operating-system sandbox every graded kernel runs in, and the limits on its process tree.
+
+Why the operating system: whatever runs inside the student's process can reach whatever else
+runs there, so no check written in Python can keep a submission from the grader. The kernel
+therefore runs under bubblewrap (``bwrap``, Debian's ``bubblewrap`` package), the sandbox
+Flatpak is built on: one small setuid-free program, kept by the same people for years, that
+needs no daemon (Docker does) and no root (it uses unprivileged user namespaces where the
+system allows them; as root it works anyway). Inside:
+
+- its own user, PID, network, IPC and UTS namespaces: it sees only its own processes (not the
+  grader, not the other kernels), cannot signal or trace anything outside, and has no network;
+- a filesystem made only of what it needs, read-only: the system's libraries, the Python it
+  runs, the virtual environment, and a copy of the package; one writable folder of its own
+  (its working folder and the kernel's sockets) and a private ``/tmp``. No ``solutions/``, no
+  hidden cases, no repository, no other student's notebook;
+- ``--die-with-parent`` and a new session: when the grader goes, so does the sandbox.
+
+Limits on the whole process tree (``TreeLimits``): a memory cgroup (every process the kernel
+forks counts, shared memory and tmpfs files too) and a pids cgroup, where the cgroup
+filesystem lets this process make them; and in each process ``RLIMIT_DATA``, so that one
+allocation past the limit fails with a MemoryError instead of killing the kernel. Without the
+cgroups only the per-process limit holds. Files written are capped by ``RLIMIT_FSIZE``.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from functools import cache
+from pathlib import Path
+
+INSTALL_HINT = "install bubblewrap (Debian and Ubuntu: apt-get install bubblewrap)"
+MAX_FILE_BYTES = 256 * 1024 * 1024   # one file the kernel writes (RLIMIT_FSIZE)
+MAX_PROCESSES = 512                  # tasks (threads count) in the kernel's tree
+TMP_BYTES = 512 * 1024 * 1024        # the private /tmp
+_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+_SECRETS = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers")
+_SANDBOX_UID = 65534  # nobody
+
+
+def bwrap() -> str | None:
+    return shutil.which("bwrap")
+
+
+def python_folders() -> list[str]:
+    """The folders the kernel's Python needs: its installation and the virtual environment,
+    with the site-packages this process sees (the editable install's own folder is not one)."""
+    folders = {sys.base_prefix, sys.prefix, os.path.dirname(os.path.realpath(sys.executable))}
+    for scheme in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(scheme)
+        if path:
+            folders.add(path)
+    return _outermost(p for p in folders if os.path.isdir(p))
+
+
+def _outermost(paths) -> list[str]:
+    """The paths with every one that lies inside another dropped."""
+    kept: list[str] = []
+    for path in sorted({os.path.realpath(p) for p in paths} | {os.path.abspath(p) for p in paths},
+                       key=len):
+        if not any(path == k or path.startswith(os.path.join(k, "")) for k in kept):
+            kept.append(path)
+    return kept
+
+
+def command(*, readonly: list[str], writable: list[str], workdir: str) -> list[str]:
+    """The ``bwrap`` arguments that run a command (appended after them) in the sandbox."""
+    args = [bwrap() or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL", "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID),
+            "--hostname", "grading"]
+    for path in _SYSTEM:
+        if os.path.lexists(path):
+            args += ["--ro-bind", path, path] if not os.path.islink(path) else \
+                ["--symlink", os.readlink(path), path]
+    for secret in _SECRETS:
+        if os.path.exists(secret):
+            args += ["--ro-bind", "/dev/null", secret]
+    # /tmp first: the folders bound next may lie in the grader's /tmp
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
+    for path in _outermost([*python_folders(), *readonly]):
+        args += ["--ro-bind", path, path]
+    for path in writable:
+        args += ["--bind", path, path]
+    for device in sorted(Path("/dev").glob("nvidia*")):  # a GPU, where there is one
+        args += ["--dev-bind", str(device), str(device)]
+    # the kernel's parent is outside its PID namespace: --die-with-parent watches it instead
+    args += ["--unsetenv", "JPY_PARENT_PID", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
+             "--setenv", "MPLCONFIGDIR", "/tmp/matplotlib", "--setenv", "IPYTHONDIR",
+             "/tmp/ipython", "--chdir", workdir, "--"]
+    return args
+
+
+@cache
+def unavailable() -> str | None:
+    """Why kernels cannot be sandboxed here, in one line; None when they can."""
+    if sys.platform != "linux":
+        return f"the grading sandbox needs Linux (this is {sys.platform})"
+    if bwrap() is None:
+        return f"the grading sandbox needs bubblewrap: {INSTALL_HINT}"
+    probe = command(readonly=[], writable=[], workdir="/tmp") + [
+        sys.executable, "-c", "import os; print(os.getpid())"]
+    try:
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"bubblewrap could not start a sandbox: {error}"
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        return (f"bubblewrap could not start a sandbox ({why}); it needs user namespaces "
+                "(sysctl kernel.unprivileged_userns_clone=1) or root")
+    return None
+
+
+class TreeLimits:
+    """A memory and a pids cgroup for one kernel's process tree, where this process may make
+    them (cgroup v1 controllers, or a delegated cgroup v2 subtree); ``kind`` says which limits
+    hold: ``"cgroup"`` (the whole tree) or ``"process"`` (each process on its own)."""
+
+    def __init__(self, name: str, memory_mb: int, *, tree: bool = True):
+        self.memory_mb = memory_mb
+        self.folders: list[Path] = []
+        self.kind = "process"
+        if memory_mb and tree:
+            self._make(name)
+
+    def _make(self, name: str) -> None:
+        made = []
+        try:
+            v1 = [_own_v1("memory"), _own_v1("pids")]
+            if all(v1):
+                for parent in v1:
+                    folder = parent / name
+                    folder.mkdir()
+                    made.append(folder)
+                (made[0] / "memory.limit_in_bytes").write_text(str(self.memory_mb << 20))
+                (made[1] / "pids.max").write_text(str(MAX_PROCESSES))
+            else:
+                parent = _own_v2()
+                if parent is None:
+                    return
+                folder = parent / name
+                folder.mkdir()
+                made.append(folder)
+                (folder / "memory.max").write_text(str(self.memory_mb << 20))
+                (folder / "memory.swap.max").write_text("0")
+                (folder / "pids.max").write_text(str(MAX_PROCESSES))
+        except OSError:
+            for folder in made:
+                _remove(folder)
+            return
+        self.folders, self.kind = made, "cgroup"
+
+    def enter(self) -> None:
+        """In the kernel's process, before it runs the sandbox: join the cgroups, or set the
+        per-process limits. Every process it starts inherits them."""
+        import resource
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
+        for folder in self.folders:
+            (folder / "cgroup.procs").write_text(str(os.getpid()))
+        if self.memory_mb:  # one allocation past it fails (MemoryError) rather than kills
+            limit = self.memory_mb << 20
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+    def out_of_memory(self) -> bool:
+        """Whether the tree hit its memory limit (and the kernel of the OS killed in it)."""
+        for folder in self.folders:
+            for name, sign in (("memory.oom_control", "oom_kill "), ("memory.events", "oom_kill ")):
+                try:
+                    for line in (folder / name).read_text().splitlines():
+                        if line.startswith(sign) and int(line.split()[1]) > 0:
+                            return True
+                except (OSError, ValueError, IndexError):
+                    continue
+        return False
+
+    def kill(self) -> None:
+        """Kill every process left in the tree's cgroups."""
+        import signal
+        for folder in self.folders:
+            for _ in range(20):
+                try:
+                    pids = [int(p) for p in (folder / "cgroup.procs").read_text().split()]
+                except (OSError, ValueError):
+                    break
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+
+    def remove(self) -> None:
+        self.kill()
+        for folder in self.folders:
+            _remove(folder)
+        self.folders = []
+
+
+def cgroup_name(token: str) -> str:
+    """The name of a kernel's cgroups: the grading process's pid, so that the cgroups a killed
+    worker leaves can be found (``remove_cgroups_of``), and the kernel's token."""
+    return f"course_attn_{os.getpid()}_{token}"
+
+
+def remove_cgroups_of(pid: int) -> None:
+    """Kill what is left in, and remove, the kernels' cgroups that process ``pid`` made."""
+    for controller in ("memory", "pids"):
+        parent = _own_v1(controller)
+        parents = [parent] if parent is not None else []
+        if controller == "memory" and not parents and _own_v2() is not None:
+            parents = [_own_v2()]
+        for parent in parents:
+            for folder in parent.glob(f"course_attn_{pid}_*"):
+                limits = TreeLimits.__new__(TreeLimits)
+                limits.folders, limits.kind, limits.memory_mb = [folder], "cgroup", 0
+                limits.remove()
+
+
+def _remove(folder: Path) -> None:
+    import time
+    for _ in range(50):
+        try:
+            folder.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.02)
+
+
+def _own_v1(controller: str) -> Path | None:
+    """This process's cgroup folder of a v1 controller, if it may make cgroups in it."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            number, controllers, path = line.split(":", 2)
+            if controller in controllers.split(","):
+                folder = Path("/sys/fs/cgroup") / controller / path.lstrip("/")
+                return folder if os.access(folder, os.W_OK) else None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _own_v2() -> Path | None:
+    """A cgroup v2 folder under this process's own, with the memory and pids controllers, if
+    this process may make one (a delegated subtree)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        path = next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
+        folder = Path("/sys/fs/cgroup") / path.lstrip("/")
+        controllers = (folder / "cgroup.subtree_control").read_text().split()
+    except (OSError, StopIteration, IndexError):
+        return None
+    if not {"memory", "pids"} <= set(controllers) or not os.access(folder, os.W_OK):
+        return None
+    return folder
