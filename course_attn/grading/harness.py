@@ -139,8 +139,7 @@ def _decode_tensor(body: dict) -> torch.Tensor:
 
 # --- the guard: every operation the student's function runs, checked where torch dispatches ------
 
-SWITCHED_OFF = "the check of the operations it runs, switched off during the call " + \
-    SWITCHES_OFF
+SWITCHED_OFF = "torch's modes popped off their stacks during the call " + SWITCHES_OFF
 _ALLOWED = object()  # what ``Guard._place`` answers inside an allowed function
 
 

@@ -57,7 +57,7 @@ class Judgement:
         if self.banned:
             what = self.banned[0]
             if what.endswith(SWITCHES_OFF):
-                return (f"switches off the watch for banned calls "
+                return (f"switches off the check of the operations it runs "
                         f"({what.removesuffix(SWITCHES_OFF).strip()}), which no exercise allows")
             return (f"calls {what}, which this exercise does not allow: write the computation "
                     "yourself")
