@@ -8,12 +8,23 @@ from course_attn.grading.ch03 import FP16
 from course_attn.grading.exercise import Case, hidden
 
 
-@hidden("ch03.causal_mask")
+@hidden("ch03.causal_mask", regimes={
+    "Tq = Tk": lambda case: case.args[0] == case.args[1],
+    "Tq < Tk (queries at the end of the keys)": lambda case: case.args[0] < case.args[1],
+    "Tq > Tk by more than one (rows with no key)": lambda case: case.args[0] > case.args[1] + 1,
+    "Tq = 1 (one decoding step)": lambda case: case.args[0] == 1,
+})
 def _(gen):
-    tq, tk = randint(1, 12, gen), randint(1, 12, gen)
+    t = randint(2, 12, gen)
+    yield Case(f"Tq=Tk={t}", (t, t))
+    tk = randint(3, 12, gen)
+    tq = randint(2, tk - 1, gen)
     yield Case(f"Tq={tq}, Tk={tk}", (tq, tk))
-    yield Case(f"Tq={tk + 3}, Tk={tk}", (tk + 3, tk))
-    yield Case(f"Tq=2, Tk={tk + 7}", (2, tk + 7))
+    tk = randint(1, 10, gen)
+    tq = tk + randint(2, 8, gen)
+    yield Case(f"Tq={tq}, Tk={tk}", (tq, tk))
+    tk = randint(2, 12, gen)
+    yield Case(f"Tq=1, Tk={tk}", (1, tk))
 
 
 @hidden("ch03.padding_mask")
