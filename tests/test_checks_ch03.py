@@ -50,11 +50,27 @@ def document_mask(doc_ids):
     return (same_document & not_padding & causal_mask(t, t))[:, None]
 
 
-def fp16_fill():
-    return {"minus_1e9_in_fp16": -math.inf, "masked_fill_fp16": "error",
-            "dead_row_fp16_minus_1e9": [math.nan] * 4,
-            "dead_row_fp16_min": [1 / 3, 1 / 3, 0.0, 1 / 3],
-            "dead_row_fp32_minus_1e9": [0.25] * 4}
+def fp16_fill(dtype, fill, scores):
+    bits, largest = {"float16": (10, 65504.0), "float32": (23, 3.4028234663852886e38)}[dtype]
+
+    def in_dtype(x):
+        if math.isinf(x) or x == 0:
+            return x
+        spacing = 2.0 ** (math.frexp(x)[1] - 1 - bits)
+        rounded = round(x / spacing) * spacing
+        return rounded if abs(rounded) <= largest else math.copysign(math.inf, x)
+
+    cast = in_dtype(fill)
+    row = [in_dtype(cast + s) for s in scores]
+    top = max(row)
+    if top == -math.inf:
+        dead_row = [math.nan] * len(scores)
+    else:
+        e = [math.exp(x - top) for x in row]
+        dead_row = [w / sum(e) for w in e]
+    return {"cast": cast,
+            "masked_fill": "error" if math.isfinite(fill) and abs(fill) > largest else "fills",
+            "dead_row": dead_row}
 
 
 @pytest.mark.parametrize("key, fn", [
@@ -210,75 +226,194 @@ def test_document_mask_may_not_call_the_package():
 
 # --- fp16_fill ---------------------------------------------------------------------------------
 
-def test_the_fp16_predictions_are_what_pytorch_does():
-    """The reference computes them; here they are checked against the facts they rest on."""
-    expected = get("ch03.fp16_fill").reference()
-    assert expected["minus_1e9_in_fp16"] == -math.inf
-    assert expected["masked_fill_fp16"] == "error"
-    assert all(math.isnan(w) for w in expected["dead_row_fp16_minus_1e9"])
-    low = torch.finfo(torch.float16).min
-    assert torch.tensor(low - 15.0).half().item() == low       # within half a spacing of 32
-    assert torch.tensor(low - 16.0).half().item() == -math.inf  # rounds past the end
-    assert expected["dead_row_fp16_min"] == pytest.approx([1 / 3, 1 / 3, 0.0, 1 / 3], abs=1e-3)
-    assert torch.tensor(-1e9 - 31.0).item() == -1e9             # float32 spacing 64 near 1e9
-    assert expected["dead_row_fp32_minus_1e9"] == [0.25] * 4
+FILL = "dtype={}, fill={}, scores={}"
+CAST, MASKED_FILL, DEAD_ROW = ("(a) torch.tensor(fill).to(dtype)",
+                               "(b) s.masked_fill(~allowed, fill)",
+                               "(c) torch.softmax(s + torch.tensor(fill).to(dtype), dim=-1), every "
+                               "key masked")
+CHAPTER_SCORES = (-10.0, 5.0, -20.0, 2.0)
+
+
+def case(question, dtype, fill, scores=CHAPTER_SCORES):
+    return f"{question} ({FILL.format(dtype, fill, scores)})"
+
+
+def run_in_torch(dtype, fill, scores):
+    """The three lines of the task, run here (the reference runs them its own way)."""
+    d = getattr(torch, dtype)
+    s = torch.tensor(scores).to(d)
+    try:
+        s.masked_fill(torch.tensor([True] + [False] * (len(scores) - 1)), fill)
+        masked = "fills"
+    except RuntimeError:
+        masked = "error"
+    cast = torch.tensor(fill).to(d)
+    return cast.item(), masked, torch.softmax(s + cast, dim=-1)
+
+
+def fill_sizes(seeds):
+    exercise = get("ch03.fp16_fill")
+    cases = exercise.public_cases() + [c for seed in seeds
+                                       for c in hidden_cases("ch03.fp16_fill", seed)]
+    return [dict(kw) for kw in {tuple(c.kwargs.items()): None for c in cases}]
+
+
+def test_the_fill_predictions_are_what_pytorch_does():
+    """On the public arguments and on the hidden ones of several seeds, the reference is what
+    the task's lines give when they are run."""
+    reference = get("ch03.fp16_fill").reference
+    sizes = fill_sizes(range(10))
+    assert len(sizes) > 6 + 7 * 5
+    for size in sizes:
+        expected = reference(**size)
+        cast, masked, row = run_in_torch(**size)
+        assert expected["cast"] == cast or (math.isnan(cast) and math.isnan(expected["cast"]))
+        assert expected["masked_fill"] == masked
+        torch.testing.assert_close(torch.tensor(expected["dead_row"], dtype=row.dtype), row,
+                                   equal_nan=True)
+
+
+def test_the_chapters_facts_behind_the_public_predictions():
+    """The public answers checked against the facts they rest on (sections 7 and 8)."""
+    reference = get("ch03.fp16_fill").reference
+    low16 = torch.finfo(torch.float16).min
+    first = reference("float16", -1e9, CHAPTER_SCORES)
+    assert first["cast"] == -math.inf and first["masked_fill"] == "error"
+    assert all(math.isnan(w) for w in first["dead_row"])
+    assert torch.tensor(low16 - 15.0).half().item() == low16       # within half a spacing of 32
+    assert torch.tensor(low16 - 16.0).half().item() == -math.inf   # rounds past the end
+    assert reference("float16", low16, CHAPTER_SCORES)["dead_row"] == pytest.approx(
+        [1 / 3, 1 / 3, 0.0, 1 / 3], abs=1e-3)
+    assert torch.tensor(-1e9 - 31.0).item() == -1e9                # float32 spacing 64 near 1e9
+    assert reference("float32", -1e9, CHAPTER_SCORES)["dead_row"] == [0.25] * 4
+    assert reference("float32", -math.inf, (1.5, -0.5))["masked_fill"] == "fills"
+
+
+def test_fp16_fill_is_a_choice_among_named_options():
+    from course_attn.grading.ch03 import MASKED_FILL_OPTIONS
+    assert MASKED_FILL_OPTIONS == ("error", "fills")
+    key = "ch03.fp16_fill"
+    fill = case(MASKED_FILL, "float16", -1e9)
+
+    def answering(masked_fill):
+        return lambda **kw: {**fp16_fill(**kw), "masked_fill": masked_fill}
+
+    # padding is forgiven, and nothing else
+    assert results(key, answering(" error\n"))[fill].passed
+    for answer in ("no error: masked_fill just writes -inf", "Error", "RuntimeError", "raises",
+                   "error!", "an error", "fills or error"):
+        assert_fails(key, answering(answer), fill,
+                     message="is not one of the options 'error', 'fills'")
+    assert_fails(key, answering(None), fill, message="is not one of the options")
+    # an option, but the wrong one: only that
+    assert_fails(key, answering("fills"), fill, hint="masked_fill rounds its value",
+                 message="your prediction 'masked_fill' is not what PyTorch gives")
 
 
 def test_fp16_fill_mistakes():
     key = "ch03.fp16_fill"
 
-    def predicting(**wrong):
-        return lambda: {**fp16_fill(), **wrong}
+    def predicting(rule):
+        """fp16_fill with the parts that rule(dtype, fill, scores, right) returns changed."""
+        def fn(dtype, fill, scores):
+            right = fp16_fill(dtype, fill, scores)
+            return {**right, **rule(dtype, fill, scores, right)}
+        return fn
 
-    assert_fails(key, predicting(minus_1e9_in_fp16=-1e9), "(a) torch.tensor(-1e9).half()",
-                 hint="-1e9 survives the cast")
-    assert_fails(key, predicting(minus_1e9_in_fp16=-65504.0), "(a) torch.tensor(-1e9).half()",
-                 hint="saturates")
-    assert_fails(key, predicting(masked_fill_fp16=[-10.0, -math.inf, -20.0, 2.0]),
-                 "(b) scores.half().masked_fill(~allowed, -1e9)", hint="masked_fill rounds")
-    assert_fails(key, predicting(dead_row_fp16_minus_1e9=[0.0] * 4),
-                 "(c) a fully masked row in float16, fill -1e9", hint="guarded softmax")
-    assert_fails(key, predicting(dead_row_fp16_minus_1e9=[0.25] * 4),
-                 "(c) a fully masked row in float16, fill -1e9", hint="a uniform row, as in "
-                 "float32")
+    def when(condition, wrong):
+        """The dead row ``wrong(scores)`` where ``condition(fill, right)``, else the right one."""
+        return predicting(lambda dtype, fill, scores, right: {
+            "dead_row": wrong(scores) if condition(fill, right) else right["dead_row"]})
+
+    def overflowed(fill, right):
+        return math.isfinite(fill) and math.isinf(right["cast"])
+
+    def finite(fill, right):
+        return math.isfinite(right["cast"])
+
+    def uniform(scores):
+        return [1 / len(scores)] * len(scores)
+
+    assert_fails(key, predicting(lambda dtype, fill, scores, right: {"cast": fill}),
+                 case(CAST, "float16", -1e9), hint="survives the cast")
+    assert_fails(key, predicting(lambda dtype, fill, scores, right: {
+        "cast": -65504.0 if overflowed(fill, right) else right["cast"]}),
+        case(CAST, "float16", -1e9), hint="saturates")
+    assert_fails(key, predicting(lambda dtype, fill, scores, right: {"masked_fill": "fills"}),
+                 case(MASKED_FILL, "float16", -1e9), hint="masked_fill rounds")
+    assert_fails(key, predicting(lambda dtype, fill, scores, right: {
+        "masked_fill": "error" if math.isinf(fill) else right["masked_fill"]}),
+        case(MASKED_FILL, "float32", -math.inf, (1.5, -0.5, 2.0)), hint="refuses -inf")
+    zeros = when(lambda fill, right: math.isinf(right["cast"]), lambda s: [0.0] * len(s))
+    assert_fails(key, zeros, case(DEAD_ROW, "float16", -1e9), hint="guarded softmax")
+    assert_fails(key, zeros, case(DEAD_ROW, "float32", -math.inf, (1.5, -0.5, 2.0)),
+                 hint="guarded softmax")
+    assert_fails(key, when(overflowed, uniform), case(DEAD_ROW, "float16", -1e9),
+                 hint="stays a finite number in this dtype")
     # the misconception carried through: -1e9 survives, so the row is uniform
-    wrong = predicting(minus_1e9_in_fp16=-1e9, dead_row_fp16_minus_1e9=[0.25] * 4)
-    assert_fails(key, wrong, "(c) a fully masked row in float16, fill -1e9",
-                 hint="-1e9 survives the cast")
-    assert_fails(key, predicting(dead_row_fp16_min=[0.25] * 4),
-                 "(d) a fully masked row in float16, fill finfo(float16).min",
-                 hint="every min + s rounds back")
-    scores = [-10.0, 5.0, -20.0, 2.0]
-    unchanged = [math.exp(s) / sum(math.exp(x) for x in scores) for s in scores]
-    assert_fails(key, predicting(dead_row_fp16_min=unchanged),
-                 "(d) a fully masked row in float16, fill finfo(float16).min",
-                 hint="in float16 each min + s")
-    assert_fails(key, predicting(dead_row_fp32_minus_1e9=unchanged),
-                 "(e) a fully masked row in float32, fill -1e9", hint="in float32 each -1e9 + s")
-    assert_fails(key, predicting(dead_row_fp32_minus_1e9=[math.nan] * 4),
-                 "(e) a fully masked row in float32, fill -1e9", hint="-1e9 is finite in float32")
+    survives = predicting(lambda dtype, fill, scores, right: {
+        "cast": fill, "dead_row": uniform(scores) if overflowed(fill, right)
+        else right["dead_row"]})
+    assert_fails(key, survives, case(DEAD_ROW, "float16", -1e9), hint="survives the cast")
+    for dtype, fill, scores in (("float16", -65504.0, CHAPTER_SCORES),
+                                ("float32", -1e4, (1.5, -0.5, 2.0, 0.5)),
+                                ("float16", -1e4, (5.5, -3.5, 1.5))):
+        assert_fails(key, when(finite, uniform), case(DEAD_ROW, dtype, fill, scores),
+                     hint="every fill + s rounds back")
+    for dtype, fill, scores in (("float16", -65504.0, CHAPTER_SCORES),
+                                ("float32", -1e9, CHAPTER_SCORES),
+                                ("float16", -1e4, (5.5, -3.5, 1.5))):
+        unchanged = [math.exp(s) / sum(math.exp(x) for x in scores) for s in scores]
+        assert_fails(key, when(finite, lambda s: unchanged),
+                     case(DEAD_ROW, dtype, fill, scores), hint="changes nothing")
+    for wrong in (math.nan, 0.0):
+        assert_fails(key, when(lambda fill, right: True, lambda s: [wrong] * len(s)),
+                     case(DEAD_ROW, "float32", -1e9), hint="0/0 only when")
     # two wrong answers at once: each question's case says which is wrong
-    two = results(key, predicting(minus_1e9_in_fp16=-65504.0, dead_row_fp16_min=[0.25] * 4))
+    two = results(key, predicting(lambda dtype, fill, scores, right: {
+        "cast": -65504.0 if overflowed(fill, right) else right["cast"],
+        "dead_row": uniform(scores) if finite(fill, right) else right["dead_row"]}))
     assert [name for name, r in two.items() if not r.passed] == [
-        "(a) torch.tensor(-1e9).half()", "(d) a fully masked row in float16, fill "
-        "finfo(float16).min"]
-    assert_fails(key, lambda: [-math.inf, "error"], "(a) torch.tensor(-1e9).half()",
+        case(CAST, "float16", -1e9), case(DEAD_ROW, "float16", -65504.0),
+        case(DEAD_ROW, "float32", -1e4, (1.5, -0.5, 2.0, 0.5)),
+        case(DEAD_ROW, "float16", -1e4, (5.5, -3.5, 1.5))]
+    assert_fails(key, lambda **kw: [-math.inf, "error"], case(CAST, "float16", -1e9),
                  message="should return a dict")
+    assert_fails(key, lambda **kw: {**fp16_fill(**kw), "dead_row": [0.25] * 3},
+                 case(DEAD_ROW, "float32", -1e9), message="a list of 4 floats, one per score")
 
 
 def test_fp16_fill_never_shows_the_right_answer():
     key = "ch03.fp16_fill"
-    for result in run_exercise(get(key), lambda: {k: 12345.0 for k in
-                                                  get(key).reference()}).results:
-        assert not result.passed and "is not what PyTorch gives" in result.message
+    wrong = {"cast": 12345.0, "masked_fill": "fills", "dead_row": [12345.0] * 4}
+    for result in run_exercise(get(key), lambda **kw: wrong).results:
+        if result.passed:       # "fills" is right where the fill fits
+            continue
+        assert "is not what PyTorch gives" in result.message or "a list of" in result.message
         for answer in ("inf", "nan", "error", "0.25", "0.333"):
             assert answer not in result.message
 
 
+def test_pasting_the_public_predictions_fails_the_hidden_cases_of_every_seed():
+    """Predictions worked out once (by running the lines in another cell) and pasted as
+    constants get nothing right for sure on the arguments the grader draws."""
+    exercise = get("ch03.fp16_fill")
+    for public in fill_sizes(()):
+        pasted = fp16_fill(**public)
+
+        def constant(**arguments):
+            return dict(pasted)
+        assert run_exercise(exercise, constant, watch_banned=False).results
+        for seed in range(20):
+            assert not run_exercise(exercise, constant, hidden_cases("ch03.fp16_fill", seed),
+                                    watch_banned=False).passed, (public, seed)
+
+
 def test_fp16_fill_is_a_prediction_not_a_computation():
-    def computed():
-        scores = torch.tensor([-10.0, 5.0, -20.0, 2.0])
-        return {**fp16_fill(), "minus_1e9_in_fp16": torch.tensor(-1e9).half().item(),
-                "dead_row_fp16_min": torch.softmax(scores.half() - 65504, -1).tolist()}
+    def computed(dtype, fill, scores):
+        cast = torch.tensor(fill).to(getattr(torch, dtype))
+        return {**fp16_fill(dtype, fill, scores), "cast": cast.item(),
+                "dead_row": torch.softmax(torch.tensor(scores).to(cast.dtype) + cast,
+                                          -1).tolist()}
     assert run_exercise(get("ch03.fp16_fill"), computed, watch_banned=False).passed
     assert_banned("ch03.fp16_fill", computed, "torch.tensor")

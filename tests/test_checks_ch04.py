@@ -47,8 +47,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, n_heads, causal):
     return merge_heads(torch.softmax(scores, dim=-1) @ v) @ w_o.T
 
 
-def mha_cost():
-    C, H, T = 512, 8, 1024
+def mha_cost(C, H, T):
     D = C // H
     return {"params": 4 * C * C, "projection_macs": 4 * T * C * C,
             "attention_macs_multi": H * 2 * T * T * D, "attention_macs_single": 2 * T * T * C,
@@ -191,70 +190,127 @@ def test_multi_head_attention_may_not_call_a_library_attention():
 
 # --- mha_cost ----------------------------------------------------------------------------------
 
-def test_the_cost_reference_is_what_pytorch_counts():
-    """The reference's multiply-adds are half of FlopCounterMode's FLOPs (2 per multiply-add)."""
-    expected = get("ch04.mha_cost").reference()
-    C, H, T = 512, 8, 1024
-    for heads, key in ((H, "attention_macs_multi"), (1, "attention_macs_single")):
-        layer = course_attn.MultiHeadAttention(C, heads)
-        assert sum(p.numel() for p in layer.parameters()) == expected["params"]
-        x = torch.randn(1, T, C)
+def counted_by_pytorch(C, H, T):
+    """The six counts, measured: the parameters of course_attn's layer, and FlopCounterMode's
+    FLOPs (2 per multiply-add) of the products, on meta tensors (shapes only, so that a long
+    sequence costs nothing) in the (1, H, T, D) layout of the chapter."""
+    with torch.device("meta"):
+        layer = course_attn.MultiHeadAttention(C, H)
+    counts = {"params": sum(p.numel() for p in layer.parameters())}
+    x = torch.empty(1, T, C, device="meta")
+    with FlopCounterMode(display=False) as projections:
         q, k, v = layer.project(x)
-        with FlopCounterMode(display=False) as projections:
-            layer.project(x)
-            layer.out_proj(x)
+        layer.out_proj(x)
+    counts["projection_macs"] = projections.get_total_flops() // 2
+    for heads, which in ((H, "multi"), (1, "single")):
+        q, k, v = (torch.empty(1, heads, T, C // heads, device="meta") for _ in range(3))
         with FlopCounterMode(display=False) as attention:
             weights = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
             weights @ v
-        assert projections.get_total_flops() == 2 * expected["projection_macs"]
-        assert attention.get_total_flops() == 2 * expected[key]
-        assert weights.numel() == expected["score_entries_multi" if heads == H else
-                                           "score_entries_single"]
+        counts[f"attention_macs_{which}"] = attention.get_total_flops() // 2
+        counts[f"score_entries_{which}"] = weights.numel()
+    return counts
+
+
+def test_the_cost_reference_is_what_pytorch_counts():
+    """On the public sizes and the hidden sizes of several seeds, the reference's counts are the
+    ones PyTorch measures."""
+    exercise = get("ch04.mha_cost")
+    cases = exercise.public_cases() + [c for seed in range(5)
+                                       for c in hidden_cases("ch04.mha_cost", seed)]
+    sizes = {tuple(sorted(c.kwargs.items())) for c in cases}
+    assert len(sizes) >= 2 + 3 * 5 - 2   # the public sets and (nearly all) fresh hidden ones
+    for size in sizes:
+        assert exercise.reference(**dict(size)) == counted_by_pytorch(**dict(size)), size
+
+
+def test_mha_cost_cases_are_a_function_of_the_sizes():
+    exercise = get("ch04.mha_cost")
+    public = {tuple(sorted(c.kwargs.items())) for c in exercise.public_cases()}
+    assert public == {(("C", 512), ("H", 8), ("T", 1024)), (("C", 768), ("H", 12), ("T", 50))}
+    for seed in range(20):
+        cases = hidden_cases("ch04.mha_cost", seed)
+        assert len(cases) == 3 * 6 and all(c.part for c in cases)
+        for case in cases:
+            C, H, T = case.kwargs["C"], case.kwargs["H"], case.kwargs["T"]
+            assert H >= 2 and C % H == 0 and T not in (C // H, C), case.name
 
 
 def test_mha_cost_mistakes():
     key = "ch04.mha_cost"
 
     def counting(**wrong):
-        return lambda: {**mha_cost(), **wrong}
+        """mha_cost with these counts replaced, each a function of C, H, T and D."""
+        return lambda C, H, T: {**mha_cost(C, H, T), **{
+            k: rule(C, H, T, C // H) for k, rule in wrong.items()}}
 
-    C, H, T, D = 512, 8, 1024, 64
-    params, multi = "(a) parameters of the 8-head layer", \
-        "(c) multiply-adds of the scores and the weighted sum, 8 heads"
-    assert_fails(key, counting(params=3 * C * C), params, hint="output projection W_O")
-    assert_fails(key, counting(params=4 * H * C * C), params, hint="its own (C, C)")
-    assert_fails(key, counting(params=4 * C * D), params, hint="one head only, (C, D)")
-    assert_fails(key, counting(attention_macs_multi=2 * H * T * T * C), multi,
+    size = " (C=512, H=8, T=1024)"
+    params, multi = "(a) parameters of the H-head layer" + size, \
+        "(c) multiply-adds of the scores and the weighted sum, H heads" + size
+    assert_fails(key, counting(params=lambda C, H, T, D: 3 * C * C), params,
+                 hint="output projection W_O")
+    assert_fails(key, counting(params=lambda C, H, T, D: 4 * H * C * C), params,
+                 hint="its own (C, C)")
+    assert_fails(key, counting(params=lambda C, H, T, D: 4 * C * D), params,
+                 hint="one head only, (C, D)")
+    assert_fails(key, counting(attention_macs_multi=lambda C, H, T, D: 2 * H * T * T * C), multi,
                  hint="run over all C channels")
-    assert_fails(key, counting(attention_macs_multi=2 * T * T * D), multi,
+    assert_fails(key, counting(attention_macs_multi=lambda C, H, T, D: 2 * T * T * D), multi,
                  hint="you counted one head only")
-    assert_fails(key, counting(attention_macs_multi=H * T * T * D), multi,
+    assert_fails(key, counting(attention_macs_multi=lambda C, H, T, D: H * T * T * D), multi,
                  hint="only the scores")
-    assert_fails(key, counting(score_entries_multi=T * T),
-                 "(e) entries of the attention weights, 8 heads", hint="own (T, T) table, H")
-    assert_fails(key, counting(score_entries_single=T * C),
-                 "(f) entries of the attention weights, one head", hint="does not grow")
-    flops = counting(projection_macs=8 * T * C * C, attention_macs_multi=4 * T * T * C,
-                     attention_macs_single=4 * T * T * C)
-    assert_fails(key, flops, "(b) multiply-adds of the four projections, T tokens",
+    assert_fails(key, counting(score_entries_multi=lambda C, H, T, D: T * T),
+                 "(e) entries of the attention weights, H heads" + size,
+                 hint="one table of weights for all the heads")
+    assert_fails(key, counting(score_entries_single=lambda C, H, T, D: T * C),
+                 "(f) entries of the attention weights, one head" + size, hint="does not grow")
+    flops = counting(projection_macs=lambda C, H, T, D: 8 * T * C * C,
+                     attention_macs_multi=lambda C, H, T, D: 4 * T * T * C,
+                     attention_macs_single=lambda C, H, T, D: 4 * T * T * C)
+    assert_fails(key, flops, "(b) multiply-adds of the four projections, T tokens" + size,
                  hint="2 FLOPs per multiply-add")
+    # the other public set: a short sequence, T < D, where (T, D) tables show too
+    assert_fails(key, counting(score_entries_multi=lambda C, H, T, D: H * T * D),
+                 "(e) entries of the attention weights, H heads (C=768, H=12, T=50)",
+                 hint="does not grow")
     # two wrong counts at once: each one's case says which
-    two = results(key, counting(params=1, score_entries_single=2))
-    assert [name for name, r in two.items() if not r.passed] == [
-        params, "(f) entries of the attention weights, one head"]
-    assert_fails(key, lambda: [1, 2, 3], params, message="should return a dict")
+    two = results(key, counting(params=lambda C, H, T, D: 1,
+                                score_entries_single=lambda C, H, T, D: 2))
+    assert sorted(name for name, r in two.items() if not r.passed) == sorted(
+        f"{question}{sizes}" for question in ("(a) parameters of the H-head layer",
+                                              "(f) entries of the attention weights, one head")
+        for sizes in (size, " (C=768, H=12, T=50)"))
+    assert_fails(key, lambda C, H, T: [1, 2, 3], params, message="should return a dict")
 
 
-def test_mha_cost_never_shows_the_right_count():
+def test_mha_cost_says_too_large_or_too_small_never_the_count_nor_a_factor():
     key = "ch04.mha_cost"
-    right = get(key).reference()
-    for result in run_exercise(get(key), lambda: {k: 7.0 for k in right}).results:
-        assert not result.passed and "times the right count" in result.message
-        assert not any(str(v) in result.message for v in right.values())
+    for value, direction in ((7, "too small"), (10 ** 30, "too large")):
+        for result in run_exercise(get(key), lambda C, H, T: {
+                k: value for k in mha_cost(C, H, T)}).results:
+            assert not result.passed and result.message.endswith(f"is {direction}")
+            assert "times" not in result.message
+            right = mha_cost(512, 8, 1024) | mha_cost(768, 12, 50)
+            assert not any(str(v) in result.message for v in right.values())
+
+
+def test_pasting_the_public_counts_fails_the_hidden_cases_of_every_seed():
+    """A notebook that worked the public counts out once (in another cell, with the package)
+    and pasted them as constants gets nothing on the sizes the grader draws."""
+    exercise = get("ch04.mha_cost")
+    for public in (dict(C=512, H=8, T=1024), dict(C=768, H=12, T=50)):
+        pasted = mha_cost(**public)
+
+        def constant(**sizes):
+            return dict(pasted)
+        assert run_exercise(exercise, constant, watch_banned=False).results
+        for seed in range(20):
+            judgement = run_exercise(exercise, constant, hidden_cases("ch04.mha_cost", seed))
+            assert not any(r.passed for r in judgement.results), seed
 
 
 def test_mha_cost_may_not_call_the_package():
-    def measured():
-        layer = course_attn.MultiHeadAttention(512, 8)
-        return {**mha_cost(), "params": sum(p.numel() for p in layer.parameters())}
+    def measured(C, H, T):
+        layer = course_attn.MultiHeadAttention(C, H)
+        return {**mha_cost(C, H, T), "params": sum(p.numel() for p in layer.parameters())}
     assert_banned("ch04.mha_cost", measured, "course_attn")

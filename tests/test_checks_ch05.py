@@ -46,9 +46,10 @@ def pairing_permutation(head_dim):
     return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
 
 
-def rope_predictions():
-    return {"slowest_wavelength": 2 * math.pi * 10000 ** (62 / 64), "score": math.sin(2),
-            "same_score_as_5_2": [[3, 0], [10, 7], [100, 97]]}
+def rope_predictions(head_dim, base, m, n, candidates):
+    same = [letter for letter, (m2, n2) in candidates.items() if m2 - n2 == m - n]
+    return {"slowest_wavelength": 2 * math.pi * base ** ((head_dim - 2) / head_dim),
+            "score": math.sin(m - n), "same_score": same[0]}
 
 
 @pytest.mark.parametrize("key, fn", [
@@ -218,49 +219,139 @@ def test_pairing_permutation_may_not_call_the_package():
 
 # --- rope_predictions --------------------------------------------------------------------------
 
+PREDICTIONS_KEY = "ch05.rope_predictions"
+
+
+def _prediction_sizes(seeds=range(5)):
+    """The dicts of arguments of the public cases and of the hidden cases of ``seeds``."""
+    cases = get(PREDICTIONS_KEY).public_cases() + [
+        case for seed in seeds for case in hidden_cases(PREDICTIONS_KEY, seed)]
+    sizes = []
+    for case in cases:
+        if dict(case.kwargs) not in sizes:
+            sizes.append(dict(case.kwargs))
+    return sizes
+
+
+def _rope_score(q, k, m, n, head_dim, base):
+    """q_m · k_n worked out another way: each half-split pair (x_i, x_{i + D/2}) as the complex
+    number x_i + i x_{i + D/2}, turned by multiplying with e^{i m θ_i} (torch.polar)."""
+    theta = base ** (-2 * torch.arange(head_dim // 2, dtype=torch.float64) / head_dim)
+
+    def turned(x, position):
+        z = torch.complex(x[: head_dim // 2], x[head_dim // 2:])
+        return z * torch.polar(torch.ones_like(theta), position * theta)
+    return (turned(q, m) * turned(k, n).conj()).real.sum().item()
+
+
 def test_the_predictions_are_what_the_package_computes():
-    expected = get("ch05.rope_predictions").reference()
-    theta = course_attn.rope.rope_frequencies(64).double()
-    assert expected["slowest_wavelength"] == pytest.approx(2 * math.pi / theta[-1].item(),
-                                                           rel=1e-6)
-    assert 47_000 < expected["slowest_wavelength"] < 47_200
-    assert expected["score"] == pytest.approx(math.sin(2))
-    assert expected["same_score_as_5_2"] == [[3, 0], [10, 7], [100, 97]]
+    """On the public sizes and on hidden ones of several seeds: the wavelength from the
+    package's own frequencies, the score and the candidate from the complex form of RoPE."""
+    sizes = _prediction_sizes()
+    assert len(sizes) == 2 + 3 * 5
+    gen = torch.Generator().manual_seed(1)
+    for size in sizes:
+        expected = get(PREDICTIONS_KEY).reference(**size)
+        d, base, m, n = size["head_dim"], size["base"], size["m"], size["n"]
+        theta = course_attn.rope.rope_frequencies(d, base).double()
+        assert expected["slowest_wavelength"] == pytest.approx(2 * math.pi / theta[-1].item(),
+                                                               rel=1e-6)
+        one, other = torch.tensor([1.0, 0.0], dtype=torch.float64), \
+            torch.tensor([0.0, 1.0], dtype=torch.float64)
+        assert expected["score"] == pytest.approx(_rope_score(one, other, m, n, 2, base),
+                                                  abs=1e-9)
+        q, k = (torch.randn(d, generator=gen, dtype=torch.float64) for _ in range(2))
+        same = [letter for letter, (m2, n2) in size["candidates"].items()
+                if _rope_score(q, k, m2, n2, d, base) == pytest.approx(
+                    _rope_score(q, k, m, n, d, base), rel=1e-9, abs=1e-9)]
+        assert same == [expected["same_score"]], size
+    first = get(PREDICTIONS_KEY).reference(**sizes[0])
+    assert 47_000 < first["slowest_wavelength"] < 47_200
+    assert first["score"] == pytest.approx(math.sin(2))
+
+
+def _first_set_names():
+    return {case.part: case.name for case in get(PREDICTIONS_KEY).public_cases()[:3]}
 
 
 def test_rope_predictions_mistakes():
-    key = "ch05.rope_predictions"
-    a, b, c = (f"({x})" for x in "abc")
-    names = {n[:3]: n for n in results(key, rope_predictions)}
+    key, names = PREDICTIONS_KEY, _first_set_names()
 
     def predicting(**wrong):
-        return lambda: {**rope_predictions(), **wrong}
+        def fn(head_dim, base, m, n, candidates):
+            return {**rope_predictions(head_dim, base, m, n, candidates),
+                    **{k: answer(head_dim, base, m, n, candidates) for k, answer in wrong.items()}}
+        return fn
 
-    assert_fails(key, predicting(slowest_wavelength=2 * math.pi * 10000), names[a],
+    def first(candidates, wanted):
+        return next(letter for letter, pair in candidates.items() if wanted(*pair))
+
+    a, b, c = names["slowest_wavelength"], names["score"], names["same_score"]
+    assert_fails(key, predicting(slowest_wavelength=lambda d, base, *_: 2 * math.pi * base), a,
                  hint="θ = 1/base")
-    assert_fails(key, predicting(slowest_wavelength=10000 ** (62 / 64)), names[a],
+    assert_fails(key, predicting(slowest_wavelength=lambda d, base, *_: base ** (1 - 2 / d)), a,
                  hint="forgot the 2π")
-    assert_fails(key, predicting(score=-math.sin(2)), names[b], hint="rotated by -θ")
-    assert_fails(key, predicting(score=0.0), names[b], hint="did not rotate")
-    assert_fails(key, predicting(same_score_as_5_2=[[3, 0], [2, 5], [10, 7], [100, 97]]),
-                 names[c], hint="has a sign")
-    assert_fails(key, predicting(same_score_as_5_2=[(3, 0), (10, 7)]), names[c])
-    assert results(key, predicting(same_score_as_5_2=[(100, 97), (3, 0), (10, 7)]))[
-        names[c]].passed                                     # order and tuples do not matter
-    assert_fails(key, lambda: [1.0, 2.0], names[a], message="should return a dict")
+    assert_fails(key, predicting(slowest_wavelength=lambda d, base, *_: base ** (2 / d - 1)), a,
+                 hint="angle per token")
+    assert_fails(key, predicting(score=lambda d, base, m, n, _: -math.sin(m - n)), b,
+                 hint="rotated by -θ")
+    assert_fails(key, predicting(score=lambda *_: 0.0), b, hint="did not rotate")
+    assert_fails(key, predicting(same_score=lambda d, base, m, n, cands: first(
+        cands, lambda m2, n2: abs(m2 - n2) == abs(m - n))), c, hint="has a sign")
+    assert_fails(key, predicting(same_score=lambda d, base, m, n, cands: first(
+        cands, lambda m2, n2: n2 == n)), c, hint="key's position n alone")
+    assert_fails(key, predicting(same_score=lambda d, base, m, n, cands: first(
+        cands, lambda m2, n2: m2 == m)), c, hint="query's position m alone")
+    assert_fails(key, lambda **_: [1.0, 2.0], a, message="should return a dict")
+
+
+def test_a_choice_is_one_of_the_options_exactly():
+    key, c = PREDICTIONS_KEY, _first_set_names()["same_score"]
+    right = get(key).reference(**get(key).public_cases()[0].kwargs)["same_score"]
+
+    def answering(letter):
+        return lambda **size: {**rope_predictions(**size), "same_score": letter}
+
+    assert results(key, answering(f" {right}\n"))[c].passed         # only .strip() is done
+    for answer in (right.lower(), f"{right})", f"({right})", f"{right} or A", "(12, 10)", 2,
+                   [right], None):
+        result = results(key, answering(answer))[c]
+        assert not result.passed, answer
+        assert "not one of the options 'A', 'B', 'C', 'D'" in result.message, result.message
+    wrong = next(letter for letter in "ABCD" if letter != right)
+    message = results(key, answering(wrong))[c].message
+    assert "is not what the package computes" in message and "options" not in message
+
+
+def test_pasting_the_public_answers_fails_the_hidden_cases_of_every_seed():
+    """A notebook that computes the public answers once (with the package, in another cell) and
+    pastes them: right on the check's cases, wrong on the grader's."""
+    exercise = get(PREDICTIONS_KEY)
+    pasted = {(c.kwargs["m"], c.kwargs["n"]): exercise.reference(**c.kwargs)
+              for c in exercise.public_cases()}
+    first = next(iter(pasted.values()))
+
+    def constants(head_dim, base, m, n, candidates):
+        return dict(pasted.get((m, n), first))
+
+    assert run_exercise(exercise, constants).passed
+    for seed in range(20):
+        judgement = run_exercise(exercise, constants, hidden_cases(PREDICTIONS_KEY, seed))
+        assert not judgement.passed, seed
 
 
 def test_rope_predictions_never_show_the_right_answer():
-    key = "ch05.rope_predictions"
-    for result in run_exercise(get(key), lambda: {k: 12345.0 for k in
-                                                  get(key).reference()}).results:
+    key = PREDICTIONS_KEY
+    for result in run_exercise(get(key), lambda **_: {"slowest_wavelength": 12345.0,
+                                                       "score": 12345.0,
+                                                       "same_score": "D"}).results:
         assert not result.passed and "is not what the package computes" in result.message
-        for answer in ("47", "0.909", "[3, 0]"):
+        for answer in ("47", "0.909", "'A'", "'B'"):
             assert answer not in result.message
 
 
 def test_rope_predictions_are_worked_out_not_computed():
-    def computed():
+    def computed(**size):
         q = torch.tensor([1.0, 0.0])
-        return {**rope_predictions(), "score": float(q[0])}
-    assert_banned("ch05.rope_predictions", computed, "torch.tensor")
+        return {**rope_predictions(**size), "score": float(q[0])}
+    assert_banned(PREDICTIONS_KEY, computed, "torch.tensor")

@@ -50,12 +50,14 @@ def softcap(scores, cap):
     return cap * torch.tanh(scores / cap)
 
 
-def qk_norm_limits():
-    def max_weight(d, t):
-        return 1 / (1 + (t - 1) * math.exp(-2 * math.sqrt(d)))
-    return {"max_score_d16": 4.0, "max_weight_d16_t64": max_weight(16, 64),
-            "max_weight_d4_t64": max_weight(4, 64),
-            "gain_for_09_d4_t64": math.sqrt(math.log(63 * 9) / 4)}
+def qk_norm_limits(D, T, q_gain, k_gain, weight):
+    def max_weight(b):
+        return 1 / (1 + (T - 1) * math.exp(-2 * b))
+    largest_product = max(abs(a * b) for a, b in zip(q_gain, k_gain))
+    g_squared = math.log((T - 1) * weight / (1 - weight)) / (2 * math.sqrt(D))
+    return {"max_score": math.sqrt(D), "max_weight": max_weight(math.sqrt(D)),
+            "max_score_gains": largest_product * math.sqrt(D),
+            "gain_for_weight": math.sqrt(g_squared)}
 
 
 @pytest.mark.parametrize("key, fn", [
@@ -180,51 +182,134 @@ def test_softcap_may_not_call_the_package():
 
 # --- qk_norm_limits ----------------------------------------------------------------------------
 
+LIMITS_KEY = "ch06.qk_norm_limits"
+
+
+def _limit_sizes(seeds=range(5)):
+    """The dicts of arguments of the public cases and of the hidden cases of ``seeds``."""
+    cases = get(LIMITS_KEY).public_cases() + [
+        case for seed in seeds for case in hidden_cases(LIMITS_KEY, seed)]
+    sizes = []
+    for case in cases:
+        if dict(case.kwargs) not in sizes:
+            sizes.append(dict(case.kwargs))
+    return sizes
+
+
+def _qk_norm_scores(q, keys, q_gain, k_gain):
+    """The scores of a query against keys, through the package's RMSNorm with these gains."""
+    q_hat = course_attn.rms_norm(q, q_gain, eps=0.0)
+    k_hat = course_attn.rms_norm(keys, k_gain, eps=0.0)
+    return q_hat @ k_hat.transpose(-2, -1) / math.sqrt(q.shape[-1])
+
+
 def test_the_limits_are_what_softmax_gives_at_the_bound():
-    """The reference's formulas, checked against vectors that reach the bound."""
-    expected = get("ch06.qk_norm_limits").reference()
-    for d, key in ((16, "max_weight_d16_t64"), (4, "max_weight_d4_t64")):
-        q = course_attn.rms_norm(torch.randn(d, dtype=torch.float64), eps=0.0)
-        keys = torch.stack([q] + [-q] * 63)                      # one key with q, 63 against it
-        scores = keys @ q / math.sqrt(d)
-        assert scores.max().item() == pytest.approx(math.sqrt(d))
-        assert torch.softmax(scores, -1)[0].item() == pytest.approx(expected[key])
-    assert expected["max_score_d16"] == 4.0
-    g = expected["gain_for_09_d4_t64"]
-    scores = g * g * torch.tensor([2.0] + [-2.0] * 63, dtype=torch.float64)
-    assert torch.softmax(scores, -1)[0].item() == pytest.approx(0.9)
+    """On the public sizes and on hidden ones of several seeds, the reference's answers checked
+    against vectors that reach the bound, through the package's RMSNorm and a softmax; and no
+    random q and k beats the bound."""
+    sizes = _limit_sizes()
+    assert len(sizes) == 2 + 3 * 5
+    gen = torch.Generator().manual_seed(2)
+    for size in sizes:
+        expected = get(LIMITS_KEY).reference(**size)
+        d, t, w = size["D"], size["T"], size["weight"]
+        q_gain, k_gain = (torch.tensor(size[g], dtype=torch.float64) for g in ("q_gain", "k_gain"))
+        ones = torch.ones(d, dtype=torch.float64)
+        q = torch.randn(d, generator=gen, dtype=torch.float64)
+        keys = torch.stack([q] + [-q] * (t - 1))       # one key with q, T - 1 against it
+        scores = _qk_norm_scores(q, keys, ones, ones)
+        assert scores.max().item() == pytest.approx(expected["max_score"])
+        assert torch.softmax(scores, -1)[0].item() == pytest.approx(expected["max_weight"])
+        channel = int((q_gain * k_gain).abs().argmax())   # q and k on one channel
+        q1 = torch.zeros(d, dtype=torch.float64).index_fill(0, torch.tensor([channel]), 3.0)
+        k1 = q1 * torch.sign(q_gain * k_gain)
+        assert _qk_norm_scores(q1, k1[None], q_gain, k_gain).item() == pytest.approx(
+            expected["max_score_gains"])
+        random_scores = _qk_norm_scores(torch.randn(200, d, generator=gen, dtype=torch.float64),
+                                        torch.randn(300, d, generator=gen, dtype=torch.float64),
+                                        q_gain, k_gain)
+        assert random_scores.abs().max().item() <= expected["max_score_gains"] * (1 + 1e-12)
+        g = expected["gain_for_weight"]
+        scores = _qk_norm_scores(q, keys, g * ones, g * ones)
+        assert torch.softmax(scores, -1)[0].item() == pytest.approx(w)
+    assert get(LIMITS_KEY).reference(**sizes[0])["max_score"] == 4.0
+
+
+def _first_set_names():
+    return {case.part: case.name for case in get(LIMITS_KEY).public_cases()[:4]}
+
+
+def _second_set_names():
+    return {case.part: case.name for case in get(LIMITS_KEY).public_cases()[4:8]}
+
+
+def answering(**wrong):
+    def fn(D, T, q_gain, k_gain, weight):
+        return {**qk_norm_limits(D, T, q_gain, k_gain, weight),
+                **{k: answer(D, T, q_gain, k_gain, weight) for k, answer in wrong.items()}}
+    return fn
 
 
 def test_qk_norm_limits_mistakes():
-    key = "ch06.qk_norm_limits"
+    key, first, second = LIMITS_KEY, _first_set_names(), _second_set_names()
+    assert_fails(key, answering(max_score=lambda D, *_: D * 1.0), first["max_score"],
+                 hint="forgot the 1/sqrt(D)")
+    assert_fails(key, answering(max_score=lambda D, *_: 1 / math.sqrt(D)), first["max_score"],
+                 hint="norm 1 (a cosine)")
+    others_at_zero = answering(
+        max_weight=lambda D, T, *_: 1 / (1 + (T - 1) * math.exp(-math.sqrt(D))),
+        gain_for_weight=lambda D, T, qg, kg, w: math.sqrt(math.log((T - 1) * w / (1 - w))
+                                                          / math.sqrt(D)))
+    assert_fails(key, others_at_zero, first["max_weight"], hint="other keys at score 0")
+    assert_fails(key, others_at_zero, first["gain_for_weight"], hint="other keys at score 0")
+    t_others = answering(
+        max_weight=lambda D, T, *_: 1 / (1 + T * math.exp(-2 * math.sqrt(D))),
+        gain_for_weight=lambda D, T, qg, kg, w: math.sqrt(math.log(T * w / (1 - w))
+                                                          / (2 * math.sqrt(D))))
+    assert_fails(key, t_others, second["max_weight"], hint="T other keys")
+    assert_fails(key, answering(max_score_gains=lambda D, T, qg, kg, w: max(map(abs, qg))
+                                * max(map(abs, kg)) * math.sqrt(D)),
+                 first["max_score_gains"], hint="largest gain of q by the largest gain of k")
+    assert_fails(key, answering(max_score_gains=lambda D, T, qg, kg, w: max(
+        a * b for a, b in zip(qg, kg)) * math.sqrt(D)), first["max_score_gains"],
+        hint="with its sign")
+    assert_fails(key, answering(gain_for_weight=lambda D, T, qg, kg, w: math.log(
+        (T - 1) * w / (1 - w)) / (2 * math.sqrt(D))), second["gain_for_weight"], hint="not g")
+    # gains ignored in (c): no typical mistake, the case's own hint
+    assert_fails(key, answering(max_score_gains=lambda D, *_: math.sqrt(D)),
+                 first["max_score_gains"], hint="ask on which channel")
+    assert_fails(key, lambda **_: [4.0, 0.98], first["max_score"], message="should return a dict")
 
-    def answering(**wrong):
-        return lambda: {**qk_norm_limits(), **wrong}
 
-    a, b, c, d = (name for name in [case.name for case in get(key).public_cases()])
-    assert_fails(key, answering(max_score_d16=16.0), a, hint="forgot the 1/sqrt(D)")
-    assert_fails(key, answering(max_score_d16=0.25), a, hint="norm 1 (a cosine)")
-    others_at_zero = {"max_weight_d16_t64": 1 / (1 + 63 * math.exp(-4)),
-                      "max_weight_d4_t64": 1 / (1 + 63 * math.exp(-2))}
-    assert_fails(key, answering(**others_at_zero), b, hint="other keys at score 0")
-    assert_fails(key, answering(**others_at_zero), c, hint="other keys at score 0")
-    assert_fails(key, answering(max_weight_d4_t64=1 / (1 + 64 * math.exp(-4))), c,
-                 hint="T other keys")
-    assert_fails(key, answering(gain_for_09_d4_t64=math.log(63 * 9) / 4), d, hint="not g")
-    assert_fails(key, lambda: [4.0, 0.98], a, message="should return a dict")
+def test_pasting_the_public_answers_fails_the_hidden_cases_of_every_seed():
+    """A notebook that computes the public answers once (with the package, in another cell) and
+    pastes them: right on the check's cases, wrong on the grader's."""
+    exercise = get(LIMITS_KEY)
+    pasted = {(c.kwargs["D"], c.kwargs["T"]): exercise.reference(**c.kwargs)
+              for c in exercise.public_cases()}
+    first = next(iter(pasted.values()))
+
+    def constants(D, T, q_gain, k_gain, weight):
+        return dict(pasted.get((D, T), first))
+
+    assert run_exercise(exercise, constants).passed
+    for seed in range(20):
+        judgement = run_exercise(exercise, constants, hidden_cases(LIMITS_KEY, seed))
+        assert not judgement.passed, seed
 
 
 def test_qk_norm_limits_never_shows_the_right_answer():
-    key = "ch06.qk_norm_limits"
-    for result in run_exercise(get(key), lambda: {k: 12345.0 for k in
-                                                  get(key).reference()}).results:
+    key = LIMITS_KEY
+    for result in run_exercise(get(key), lambda **size: {k: 12345.0 for k in
+                                                         get(key).reference(**size)}).results:
         assert not result.passed and "is not the one the bound gives" in result.message
-        for answer in ("4.0", "0.97", "0.46", "1.25"):
+        for answer in ("4.0", "0.97", "0.46", "7.2", "1.04", "1.25", "3.12"):
             assert answer not in result.message
 
 
 def test_qk_norm_limits_may_not_call_the_package():
-    def with_the_package():
-        x = course_attn.rms_norm(torch.ones(16))
-        return {**qk_norm_limits(), "max_score_d16": (x @ x).item() / 4}
-    assert_banned("ch06.qk_norm_limits", with_the_package, "course_attn")
+    def with_the_package(D, T, q_gain, k_gain, weight):
+        x = course_attn.rms_norm(torch.ones(D))
+        return {**qk_norm_limits(D, T, q_gain, k_gain, weight),
+                "max_score": (x @ x).item() / math.sqrt(D)}
+    assert_banned(LIMITS_KEY, with_the_package, "course_attn")

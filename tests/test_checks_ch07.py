@@ -55,9 +55,12 @@ def kv_cache_bytes(config, seq_len, batch_size=1, bytes_per_element=2):
         * batch_size
 
 
-def cache_questions():
-    return {"kv_head_of_query_13": 3, "tokens_in_16_gib": 131072,
-            "mla_saving_deepseek_v2": 2 * 128 * 128 / 576}
+def cache_questions(layers, heads, kv_heads, head_dim, bytes_per_element, query_head, cache_gib,
+                    latent_dim, rope_dim):
+    kv_head = query_head // (heads // kv_heads)
+    per_token = 2 * layers * kv_heads * head_dim * bytes_per_element
+    return {"kv_head": kv_head, "tokens_that_fit": cache_gib * 2 ** 30 // per_token,
+            "mla_saving": 2 * heads * head_dim / (latent_dim + rope_dim)}
 
 
 SOLUTIONS = [("ch07.repeat_kv", repeat_kv), ("ch07.gqa_attention", gqa_attention),
@@ -222,46 +225,102 @@ def test_kv_cache_bytes_may_not_call_the_package():
 
 # --- cache_questions ---------------------------------------------------------------------------
 
+LLAMA = dict(layers=32, heads=32, kv_heads=8, head_dim=128, bytes_per_element=2, query_head=13,
+             cache_gib=16, latent_dim=512, rope_dim=64)
+QUESTIONS = "ch07.cache_questions"
+DTYPE_OF = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
+
+
+def test_cache_questions_public_sizes_are_the_chapters():
+    cases = get(QUESTIONS).public_cases()
+    assert dict(cases[0].kwargs) == LLAMA and len(cases) == 9
+    assert {c.kwargs["kv_heads"] == c.kwargs["heads"] for c in cases} == {True, False}
+    assert any(c.kwargs["kv_heads"] == 1 for c in cases)
+    deepseek = cases[5]                                      # DeepSeek-V2's own question (c)
+    assert deepseek.part == "mla_saving" and deepseek.kwargs["heads"] == 128
+    assert get(QUESTIONS).expected(deepseek)["mla_saving"] == pytest.approx(2 * 128 * 128 / 576)
+
+
 def test_cache_questions_mistakes():
-    key = "ch07.cache_questions"
-    a, b, c = (case.name for case in get(key).public_cases())
+    a, b, c = (case.name for case in get(QUESTIONS).public_cases()[:3])
 
     def answering(**wrong):
-        return lambda: {**cache_questions(), **wrong}
+        return lambda **sizes: {**cache_questions(**sizes), **wrong}
 
-    assert_fails(key, answering(kv_head_of_query_13=5), a, hint="tiled the heads")
-    assert_fails(key, answering(kv_head_of_query_13=1), a, hint="the wrong way round")
-    assert_fails(key, answering(tokens_in_16_gib=32768), b, hint="counted the query heads")
-    assert_fails(key, answering(tokens_in_16_gib=262144), b, hint="forgot the factor 2")
-    assert_fails(key, answering(tokens_in_16_gib=65536), b, hint="not 4")
-    assert_fails(key, answering(tokens_in_16_gib=16 * 10 ** 9 // 131072), b, hint="not 10⁹")
-    assert_fails(key, answering(mla_saving_deepseek_v2=64), c, hint="decoupled RoPE key")
-    assert_fails(key, answering(mla_saving_deepseek_v2=128 * 128 / 576), c,
-                 hint="factor 2 of MHA")
-    assert_fails(key, lambda: [3, 131072, 56.9], a, message="should return a dict")
+    assert_fails(QUESTIONS, answering(kv_head=5), a, hint="tiled the heads")
+    assert_fails(QUESTIONS, answering(kv_head=1), a, hint="the wrong way round")
+    assert_fails(QUESTIONS, answering(tokens_that_fit=32768), b, hint="counted the query heads")
+    assert_fails(QUESTIONS, answering(tokens_that_fit=262144), b, hint="forgot the factor 2")
+    assert_fails(QUESTIONS, answering(tokens_that_fit=65536), b, hint="float32's size")
+    assert_fails(QUESTIONS, answering(tokens_that_fit=16 * 10 ** 9 // 131072), b,
+                 hint="not 10⁹")
+    assert_fails(QUESTIONS, answering(mla_saving=2 * 32 * 128 / 512), c,
+                 hint="decoupled RoPE key")
+    assert_fails(QUESTIONS, answering(mla_saving=32 * 128 / 576), c, hint="factor 2 of MHA")
+    assert_fails(QUESTIONS, lambda **sizes: [3, 131072, 14.2], a,
+                 message="should return a dict")
 
 
-def test_cache_questions_agree_with_the_caches_they_describe():
-    expected = get("ch07.cache_questions").reference()
-    one_layer = course_attn.KVCache(1, 8, 1, 128, dtype=torch.bfloat16).nbytes
-    assert expected["tokens_in_16_gib"] == 16 * 2 ** 30 // (32 * one_layer)
-    mla = course_attn.KVCache(1, 1, 1, 512, value_dim=64, dtype=torch.bfloat16).nbytes
-    mha = course_attn.KVCache(1, 128, 1, 128, dtype=torch.bfloat16).nbytes
-    assert expected["mla_saving_deepseek_v2"] == pytest.approx(mha / mla)
-    assert [h // 4 for h in range(32)][13] == expected["kv_head_of_query_13"]
+def test_cache_questions_agree_with_the_caches_they_describe_on_hidden_sizes():
+    """The reference, on the hidden sizes of several seeds (every regime), against the bytes
+    that the package's modules allocate and the head that repeat_kv gives a query head."""
+    exercise = get(QUESTIONS)
+    for seed in range(5):
+        sizes = {repr(dict(c.kwargs)): dict(c.kwargs) for c in hidden_cases(QUESTIONS, seed)}
+        assert len(sizes) == 3
+        assert sorted(s["kv_heads"] == 1 or s["kv_heads"] == s["heads"] for s in
+                      sizes.values()) == [False, True, True]     # GQA, and MQA and MHA
+        for s in sizes.values():
+            answers = exercise.reference(**s)
+            heads = torch.arange(s["kv_heads"]).view(1, -1, 1, 1)
+            assert answers["kv_head"] == \
+                course_attn.repeat_kv(heads, s["heads"] // s["kv_heads"])[0, s["query_head"], 0, 0]
+            dtype = DTYPE_OF[s["bytes_per_element"]]
+            with torch.device("meta"):
+                gqa = course_attn.MultiHeadAttention(s["heads"] * s["head_dim"], s["heads"],
+                                                     n_kv_heads=s["kv_heads"])
+            per_token = s["layers"] * gqa.new_cache(1, 1, dtype=dtype, device="cpu").nbytes
+            assert answers["tokens_that_fit"] == s["cache_gib"] * 2 ** 30 // per_token
+            mla = course_attn.MultiHeadLatentAttention(8, 1, latent_dim=s["latent_dim"],
+                                                       rope_dim=s["rope_dim"], max_seq_len=1)
+            mha = course_attn.KVCache(1, s["heads"], 1, s["head_dim"], dtype=dtype)
+            assert answers["mla_saving"] == pytest.approx(
+                mha.nbytes / mla.new_cache(1, 1, dtype=dtype).nbytes, rel=1e-12)
+
+
+def test_cache_questions_pasted_public_answers_fail_the_hidden_cases_of_every_seed():
+    """A notebook that computed the public answers elsewhere and pasted them in: right on the
+    check's cases, wrong on the grader's for every seed."""
+    exercise = get(QUESTIONS)
+    table = {repr(dict(c.kwargs)): exercise.reference(**c.kwargs)
+             for c in exercise.public_cases()}
+
+    def pasted(**sizes):
+        return table.get(repr(sizes), table[repr(LLAMA)])
+    assert run_exercise(exercise, pasted).passed
+    for seed in range(20):
+        judgement = run_exercise(exercise, pasted, hidden_cases(QUESTIONS, seed))
+        passed = [r.name for r in judgement.results if r.passed]
+        assert not judgement.passed, seed
+        # the token counts fail in every regime; a small KV head number, or a ratio of small
+        # sizes, may coincide with a pasted one now and then, never most of them
+        assert not [name for name in passed if name.startswith("(b)")], (seed, passed)
+        assert len(passed) <= len(judgement.results) // 3, (seed, passed)
 
 
 def test_cache_questions_never_show_the_right_answer():
-    key = "ch07.cache_questions"
-    for result in run_exercise(get(key), lambda: {k: 12345.0 for k in
-                                                  get(key).reference()}).results:
+    exercise = get(QUESTIONS)
+    for result in run_exercise(exercise, lambda **sizes: {k: 12345.0 for k in
+                                                          exercise.reference(**LLAMA)}).results:
         assert not result.passed and "is not the one the formula gives" in result.message
-        for answer in ("131072", "56.8", "56.9"):
+        for answer in ("131072", "14.2", "56.8", "56.9", "21845", "1572864"):
             assert answer not in result.message
 
 
 def test_cache_questions_may_not_call_the_package():
-    def with_the_package():
-        per_token = 32 * course_attn.KVCache(1, 8, 1, 128, dtype=torch.bfloat16).nbytes
-        return {**cache_questions(), "tokens_in_16_gib": 16 * 2 ** 30 // per_token}
-    assert_banned("ch07.cache_questions", with_the_package, "course_attn")
+    def with_the_package(**sizes):
+        per_token = sizes["layers"] * course_attn.KVCache(
+            1, sizes["kv_heads"], 1, sizes["head_dim"], dtype=torch.bfloat16).nbytes
+        return {**cache_questions(**sizes),
+                "tokens_that_fit": sizes["cache_gib"] * 2 ** 30 // per_token}
+    assert_banned(QUESTIONS, with_the_package, "course_attn")

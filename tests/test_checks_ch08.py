@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import course_attn
+from course_attn.decode_bench import decode_model
 from course_attn.grading import get, run_exercise
-from course_attn.grading.ch08 import GPT2_SMALL, SAVING_SIZES, _macs, rope_tables
+from course_attn.grading.ch08 import DECODE_MODEL_SIZES, GPT2_SMALL_SIZES, _macs, rope_tables
 from course_attn.grading.exercise import hidden_cases, load_hidden
 from course_attn.model import GPT, GPTConfig
 
@@ -78,13 +79,11 @@ def decode_step(q_new, k_new, v_new, k_past, v_past, cos, sin, *, offset=True,
     return torch.softmax(scores, dim=-1) @ v
 
 
-def decode_savings():
-    L, C, V = 12, 768, 50257
+def decode_savings(L, C, V, T, P, N):
     per_token = L * 12 * C * C + C * V
 
     def forward(tq, tk):
         return tq * per_token + L * 2 * tq * tk * C
-    T, P, N = 1024, 512, 256
     return {"step_no_cache": forward(T, T), "step_cache": forward(1, T),
             "generate_no_cache": sum(forward(t, t) for t in range(P, P + N)),
             "generate_cache": forward(P, P) + sum(forward(1, t) for t in range(P + 1, P + N))}
@@ -268,32 +267,99 @@ def test_the_counts_are_what_flop_counter_mode_counts():
         with FlopCounterMode(display=False) as flops:
             model(idx[:, :1], caches=caches)
         assert flops.get_total_flops() == 2 * _macs(1, 21, **args)
-    assert GPT2_SMALL == {"L": 12, "C": 768, "V": 50257} and SAVING_SIZES["P"] + \
-        SAVING_SIZES["N"] <= 1024                      # within GPT-2's context
+
+
+def test_the_public_sizes_are_gpt2_small_and_the_chapters_decode_model():
+    assert GPT2_SMALL_SIZES == dict(L=12, C=768, V=50257, T=1024, P=512, N=256)
+    assert GPT2_SMALL_SIZES["P"] + GPT2_SMALL_SIZES["N"] <= 1024        # within GPT-2's context
+    config = decode_model().config
+    assert (config.n_layers, config.d_model, config.vocab_size) == \
+        tuple(DECODE_MODEL_SIZES[k] for k in "LCV")
+    cases = get(SAVINGS).public_cases()
+    assert [dict(c.kwargs) for c in cases[::4]] == [GPT2_SMALL_SIZES, DECODE_MODEL_SIZES]
+
+
+def _step_flops(L, C, V, T):
+    """Multiply-adds of the uncached step over T tokens and of the cached step of one token
+    against T keys, counted by FlopCounterMode on the package's GPT of these sizes, built on
+    the meta device (nothing is allocated or computed)."""
+    with torch.device("meta"), torch.no_grad():
+        model = GPT(GPTConfig(vocab_size=V, seq_len=T, d_model=C, n_heads=C // 64,
+                              n_layers=L)).eval()
+        idx = torch.zeros(1, T, dtype=torch.long)
+        with FlopCounterMode(display=False) as uncached:
+            model(idx)
+        caches = model.new_caches(1, T)
+        model(idx[:, :T - 1], caches=caches)
+        with FlopCounterMode(display=False) as cached:
+            model(idx[:, T - 1:], caches=caches)
+    return uncached.get_total_flops() // 2, cached.get_total_flops() // 2
+
+
+def _sum_of(first, last, power):
+    """1^power + ... summed over first..last, in closed form (power 0, 1 or 2)."""
+    def upto(n):
+        return (n, n * (n + 1) // 2, n * (n + 1) * (2 * n + 1) // 6)[power]
+    return upto(last) - upto(first - 1)
+
+
+def test_the_reference_on_hidden_sizes_is_what_the_model_counts():
+    """On the hidden sizes of several seeds (every regime): the steps are what FlopCounterMode
+    counts on the package's GPT of those sizes; the generations are the closed forms of the
+    sums, a · Σt + 2LC · Σt² without the cache, M(P, P) + (N - 1) · a + 2LC · Σt with it."""
+    exercise = get(SAVINGS)
+    for seed in range(3):
+        sizes = {repr(dict(c.kwargs)): dict(c.kwargs) for c in hidden_cases(SAVINGS, seed)}
+        assert len(sizes) == 3 and sorted(s["N"] == 1 for s in sizes.values()) == \
+            [False, False, True]
+        for s in sizes.values():
+            L, C, V, T, P, N = (s[k] for k in "LCVTPN")
+            answers = exercise.reference(**s)
+            assert (answers["step_no_cache"], answers["step_cache"]) == _step_flops(L, C, V, T)
+            a, attention = L * 12 * C * C + C * V, 2 * L * C
+            prefill = P * a + attention * P * P
+            assert answers["generate_no_cache"] == \
+                a * _sum_of(P, P + N - 1, 1) + attention * _sum_of(P, P + N - 1, 2)
+            assert answers["generate_cache"] == \
+                prefill + (N - 1) * a + attention * _sum_of(P + 1, P + N - 1, 1)
+
+
+def test_the_hidden_sizes_cover_both_sides_of_the_crossover():
+    """T* = 6C + V / (2L): below it a step's products and LM head outweigh its attention."""
+    for seed in range(20):
+        sizes = {repr(dict(c.kwargs)): dict(c.kwargs) for c in hidden_cases(SAVINGS, seed)}
+        sides = sorted(s["T"] > 6 * s["C"] + s["V"] / (2 * s["L"])
+                       for s in sizes.values() if s["N"] > 1)
+        assert sides == [False, True], seed
+        assert all(s["N"] <= 2000 for s in sizes.values())     # the sums stay short
 
 
 def test_decode_savings_mistakes():
-    a, b, c, d = (case.name for case in get(SAVINGS).public_cases())
+    a, b, c, d = (case.name for case in get(SAVINGS).public_cases()[:4])
+    sizes = GPT2_SMALL_SIZES
 
     def answering(**wrong):
-        return lambda: {**decode_savings(), **wrong}
-    right = decode_savings()
-    assert_fails(SAVINGS, lambda: {k: 2 * v for k, v in right.items()}, a,
-                 hint="2 FLOPs per multiply-add", message="2 times the right count")
+        return lambda **s: {**decode_savings(**s), **wrong}
+    right = decode_savings(**sizes)
+    assert_fails(SAVINGS, lambda **s: {k: 2 * v for k, v in decode_savings(**s).items()}, a,
+                 hint="2 FLOPs per multiply-add", message="too large")
     L, C, V, T = 12, 768, 50257, 1024
 
     def counting(per_token, products=2):
-        def forward(tq, tk):
-            return tq * per_token + L * products * tq * tk * C
-        P, N = 512, 256
-        return lambda: {"step_no_cache": forward(T, T), "step_cache": forward(1, T),
-                        "generate_no_cache": sum(forward(t, t) for t in range(P, P + N)),
-                        "generate_cache": forward(P, P) + sum(forward(1, t)
-                                                              for t in range(P + 1, P + N))}
-    assert_fails(SAVINGS, counting(L * 12 * C * C), a, hint="the (C, V) output matrix")
-    assert_fails(SAVINGS, counting(L * 4 * C * C + C * V), b, hint="left out the MLP")
-    assert_fails(SAVINGS, counting(L * 12 * C * C + C * V, products=1), c,
-                 hint="only the scores")
+        def count(L, C, V, T, P, N):
+            def forward(tq, tk):
+                return tq * per_token(L, C, V) + L * products * tq * tk * C
+            return {"step_no_cache": forward(T, T), "step_cache": forward(1, T),
+                    "generate_no_cache": sum(forward(t, t) for t in range(P, P + N)),
+                    "generate_cache": forward(P, P) + sum(forward(1, t)
+                                                          for t in range(P + 1, P + N))}
+        return count
+    assert_fails(SAVINGS, counting(lambda L, C, V: L * 12 * C * C), a,
+                 hint="the (C, V) output matrix", message="too small")
+    assert_fails(SAVINGS, counting(lambda L, C, V: L * 4 * C * C + C * V), b,
+                 hint="left out the MLP", message="too small")
+    assert_fails(SAVINGS, counting(lambda L, C, V: L * 12 * C * C + C * V, products=1), c,
+                 hint="only the scores", message="too small")
     assert_fails(SAVINGS, answering(step_cache=L * 2 * T * C), b, hint="only its attention")
     P, N = 512, 256
 
@@ -301,25 +367,46 @@ def test_decode_savings_mistakes():
         return tq * (L * 12 * C * C + C * V) + L * 2 * tq * tk * C
     assert_fails(SAVINGS, answering(generate_no_cache=sum(forward(t, t)
                                                           for t in range(P + 1, P + N + 1))),
-                 c, hint="off by one")
+                 c, hint="off by one", message="too large")
     assert_fails(SAVINGS, answering(generate_cache=sum(forward(1, t)
                                                        for t in range(P + 1, P + N))),
-                 d, hint="left out the prefill")
+                 d, hint="left out the prefill", message="too small")
     assert_fails(SAVINGS, answering(generate_cache=forward(P, P) + sum(
         forward(1, t) for t in range(P + 1, P + N + 1))), d, hint="N - 1 steps follow")
-    assert_fails(SAVINGS, lambda: [1, 2, 3, 4], a, message="should return a dict")
+    assert_fails(SAVINGS, lambda **s: [1, 2, 3, 4], a, message="should return a dict")
+    assert right == get(SAVINGS).reference(**sizes)
 
 
-def test_decode_savings_never_shows_the_right_answer():
-    right = decode_savings()
-    for result in run_exercise(get(SAVINGS), lambda: {k: 12345 for k in right}).results:
-        assert not result.passed and "times the right count" in result.message
-        for value in right.values():
-            assert str(value) not in result.message and f"{value:,}" not in result.message
+def test_decode_savings_never_shows_the_right_answer_or_a_factor():
+    for answer in (12345, 10 ** 18):
+        for result in run_exercise(get(SAVINGS), lambda **s: {k: answer for k in
+                                                              decode_savings(**s)}).results:
+            assert not result.passed
+            assert result.message.endswith("is too small" if answer == 12345 else
+                                           "is too large"), result.message
+            right = get(SAVINGS).reference(**dict(get(SAVINGS).public_cases()[0].kwargs))
+            for value in right.values():
+                assert str(value) not in result.message and f"{value:,}" not in result.message
+            assert "times" not in result.message
+
+
+def test_decode_savings_pasted_public_answers_fail_the_hidden_cases_of_every_seed():
+    """A notebook that computed the public counts elsewhere (with the package's model, say)
+    and pasted them in: right on the check's cases, wrong on every one of the grader's."""
+    exercise = get(SAVINGS)
+    table = {repr(dict(c.kwargs)): exercise.reference(**c.kwargs)
+             for c in exercise.public_cases()}
+
+    def pasted(**sizes):
+        return table.get(repr(sizes), table[repr(GPT2_SMALL_SIZES)])
+    assert run_exercise(exercise, pasted).passed
+    for seed in range(20):
+        judgement = run_exercise(exercise, pasted, hidden_cases(SAVINGS, seed))
+        assert judgement.results and not any(r.passed for r in judgement.results), seed
 
 
 def test_decode_savings_may_not_call_the_package():
-    def with_the_package():
+    def with_the_package(**sizes):
         course_attn.causal_mask(2)
-        return decode_savings()
+        return decode_savings(**sizes)
     assert_banned(SAVINGS, with_the_package, "course_attn")

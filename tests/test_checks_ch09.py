@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 import course_attn
+from course_attn.flash import tile_schedule
 from course_attn.grading import get, run_exercise
-from course_attn.grading.ch09 import (COUNT_SIZES, empty_state, split_states,
-                                      tile_update_reference)
+from course_attn.grading.ch09 import (COUNT_QUESTIONS, COUNT_SIZES, MORE_COUNT_SIZES,
+                                      empty_state, split_states, tile_update_reference)
 from course_attn.grading.exercise import hidden_cases, load_hidden
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
@@ -123,14 +124,14 @@ def tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None, *, floor=F
     return keep
 
 
-def flash_counts():
-    T, B, W = 1024, 64, 256
-    n = T // B
-    T2, D, Bq = 4096, 64, 128
-    return {"causal_tiles": sum(i + 1 for i in range(n)),
-            "window_tiles": sum(min(i + 1, W // B + 1) for i in range(n)),
-            "standard_elements": 4 * T2 * T2 + 4 * T2 * D,
-            "tiled_elements": (T2 // Bq) * (2 * Bq * D + 2 * T2 * D + Bq)}
+def flash_counts(T, block, W, D, *, whole_blocks=False, window_rule="ok"):
+    """The solution; the keywords make it one typical mistake or another."""
+    n = T // block if whole_blocks else -(-T // block)
+    back = {"ok": -(-(W - 1) // block), "floor": W // block - 1, "floor_plus": W // block}
+    return {"causal_tiles": n * (n + 1) // 2,
+            "window_tiles": sum(min(i + 1, back[window_rule] + 1) for i in range(n)),
+            "standard_elements": 4 * T * T + 4 * T * D,
+            "tiled_elements": 2 * T * D + n * 2 * T * D + T}
 
 
 @pytest.mark.parametrize("key, fn", [(ONLINE, online_softmax), (MERGE, merge_states),
@@ -347,49 +348,115 @@ def test_tile_mask_may_not_call_the_package():
 
 # --- flash_counts --------------------------------------------------------------------------------
 
-def test_the_tile_counts_are_the_tile_masks_counts():
+def counts_of_sizes(seeds=range(10)):
+    """The public sets of sizes and the hidden ones drawn with ``seeds``, each once."""
+    sizes = [COUNT_SIZES, MORE_COUNT_SIZES]
+    for seed in seeds:
+        for case in hidden_cases(COUNTS, seed):
+            if dict(case.kwargs) not in sizes:
+                sizes.append(dict(case.kwargs))
+    return sizes
+
+
+def traffic_by_loops(T, block, D):
+    """(c) and (d) counted step by step, as the chapter's instrumented forward counts them: each
+    operation's reads and writes, and each query block's loads and stores, tile by tile."""
+    standard = (T * D + T * D + T * T) + (T * T + T * T) + (T * T + T * D + T * D)
+    tiled = 0
+    for q0 in range(0, T, block):
+        rows = min(block, T - q0)
+        tiled += rows * D                                   # the block of Q, once
+        for k0 in range(0, T, block):
+            tiled += 2 * min(block, T - k0) * D             # a block of K and one of V
+        tiled += rows * D + rows                            # its O and its log-sum-exps
+    return standard, tiled
+
+
+def test_the_counts_are_the_tile_schedule_and_a_count_by_loops_on_public_and_hidden_sizes():
+    sizes = counts_of_sizes()
+    assert len(sizes) == 2 + 4 * 10
+    for size in sizes:
+        T, block, W, D = size["T"], size["block"], size["W"], size["D"]
+        right = get(COUNTS).reference(**size)
+        assert right["causal_tiles"] == len(tile_schedule(T, T, block, block, is_causal=True))
+        assert right["window_tiles"] == len(tile_schedule(T, T, block, block, is_causal=True,
+                                                          window=W)), size
+        assert (right["standard_elements"], right["tiled_elements"]) == \
+            traffic_by_loops(T, block, D)
+        assert right == flash_counts(**size)
     s = COUNT_SIZES
-    right = get(COUNTS).reference()
-    assert right["causal_tiles"] == int(tile_mask(s["T"], s["T"], s["block"], s["block"],
-                                                  True).sum())
-    assert right["window_tiles"] == int(tile_mask(s["T"], s["T"], s["block"], s["block"], True,
-                                                  s["W"]).sum())
-    assert right == flash_counts()
+    assert get(COUNTS).reference(**s)["causal_tiles"] == int(tile_mask(
+        s["T"], s["T"], s["block"], s["block"], True).sum()) == 136
+
+
+def test_flash_counts_hidden_sizes_cover_their_regimes():
+    for seed in range(20):
+        multiple, partial, short, long = counts_of_sizes([seed])[2:]
+        assert multiple["T"] % multiple["block"] == 0 == multiple["W"] % multiple["block"]
+        assert partial["T"] % partial["block"] and partial["W"] % partial["block"] >= 2
+        assert 2 <= short["W"] < short["block"]
+        assert long["W"] >= long["T"] and long["T"] % long["block"]
+        for size in (multiple, partial, short, long):
+            assert size["T"] >= 2 * size["block"]
 
 
 def test_flash_counts_mistakes():
-    a, b, c, d = (case.name for case in get(COUNTS).public_cases())
-    right = flash_counts()
+    cases = [case.name for case in get(COUNTS).public_cases()]
+    a, b, c, d, a2, b2, c2, d2 = cases
+    right = flash_counts(**COUNT_SIZES)
 
     def answering(**wrong):
-        return lambda: {**right, **wrong}
+        return lambda **size: {**flash_counts(**size), **wrong} if size == COUNT_SIZES \
+            else flash_counts(**size)
     assert_fails(COUNTS, answering(causal_tiles=16 * 16), a, hint="counted every tile")
     assert_fails(COUNTS, answering(causal_tiles=16 * 15 // 2), a, hint="skipped the diagonal")
-    assert_fails(COUNTS, answering(window_tiles=sum(min(i + 1, 4) for i in range(16))), b,
-                 hint="straddles")
-    T, D = 4096, 64
+    assert_fails(COUNTS, lambda **size: flash_counts(**size, window_rule="floor"), b,
+                 hint="W // block key blocks", message="too small")
+    assert_fails(COUNTS, lambda **size: flash_counts(**size, window_rule="floor_plus"), b2,
+                 hint="W // block + 1 key blocks", message="too small")
+    T, D = COUNT_SIZES["T"], COUNT_SIZES["D"]
     assert_fails(COUNTS, answering(standard_elements=2 * T * T + 4 * T * D), c,
                  hint="fewer than four times")
     assert_fails(COUNTS, answering(standard_elements=4 * T * T), c, hint="reads of Q, K, V")
     assert_fails(COUNTS, answering(tiled_elements=4 * T * D + T), d, hint="read K and V once")
     assert_fails(COUNTS, answering(tiled_elements=right["tiled_elements"] - T), d,
                  hint="log-sum-exp")
-    assert_fails(COUNTS, lambda: [1, 2, 3, 4], a, message="should return a dict")
+    for case in (a2, b2, d2):
+        assert_fails(COUNTS, lambda **size: flash_counts(**size, whole_blocks=True), case,
+                     hint="whole blocks only", message="too small")
+    for case in cases[:4]:                       # the chapter's sizes: T and W whole blocks
+        assert results(COUNTS, lambda **size: flash_counts(**size, whole_blocks=True))[case].passed
+    assert_fails(COUNTS, lambda **size: [1, 2, 3, 4], a, message="should return a dict")
 
 
 def test_flash_counts_never_shows_the_right_answer():
-    right = flash_counts()
-    for result in run_exercise(get(COUNTS), lambda: {k: 12345 for k in right}).results:
-        assert not result.passed and "times the right count" in result.message
-        for value in right.values():
-            assert str(value) not in result.message and f"{value:,}" not in result.message
-            assert str(value) not in result.hint
+    for result in run_exercise(get(COUNTS), lambda **size: dict.fromkeys(COUNT_QUESTIONS,
+                                                                          12345)).results:
+        assert not result.passed
+        assert result.message.endswith("is too large") or result.message.endswith("too small")
+        assert "times" not in result.message
+        for size in (COUNT_SIZES, MORE_COUNT_SIZES):
+            for value in flash_counts(**size).values():
+                assert str(value) not in result.message and f"{value:,}" not in result.message
+                assert str(value) not in result.hint
+
+
+def test_flash_counts_pasted_as_constants_fails_the_hidden_cases_of_every_seed():
+    pasted = {str(size): flash_counts(**size) for size in (COUNT_SIZES, MORE_COUNT_SIZES)}
+
+    def flash_counts_pasted(T, block, W, D):     # the public answers, typed in
+        return pasted.get(str(dict(T=T, block=block, W=W, D=D)), pasted[str(COUNT_SIZES)])
+    assert run_exercise(get(COUNTS), flash_counts_pasted).passed
+    for seed in range(20):
+        judgement = run_exercise(get(COUNTS), flash_counts_pasted, hidden_cases(COUNTS, seed))
+        assert not judgement.passed, seed
+        assert sum(not r.passed for r in judgement.results) >= 12, seed
 
 
 def test_flash_counts_may_not_call_the_package():
-    def with_the_package():
+    def with_the_package(**size):
         course_attn.causal_mask(2)
-        return flash_counts()
+        return flash_counts(**size)
     assert_banned(COUNTS, with_the_package, "course_attn")
 
 

@@ -14,12 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 import course_attn
 from course_attn.grading import get, run_exercise
-from course_attn.grading.ch10 import COST_SIZES, LLAMA2_7B, chunk_case, random_state
+from course_attn.grading.ch10 import (COST_QUESTIONS, COST_SIZES, MORE_COST_SIZES,
+                                      chunk_case, random_state)
 from course_attn.grading.exercise import hidden_cases, load_hidden
-from course_attn.linear import elu_features, linear_attention, linear_attention_step
+from course_attn.kv_cache import KVCache
+from course_attn.linear import (elu_features, linear_attention, linear_attention_state,
+                                linear_attention_step)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from check_support import assert_banned, assert_fails, results  # noqa: E402
@@ -66,12 +70,14 @@ def chunk_step(fq, fk, v, s, z, *, causal=True, carry_before=True, normalise=Tru
     return (num / den.unsqueeze(-1) if normalise else num), s_new, z_new
 
 
-def linear_costs():
-    T, D, L, H, nbytes = 4096, 128, 32, 32, 2
-    crossover = 2 * 256 * 128 // (256 + 128) + 1
+def linear_costs(T, D, features, L, H, nbytes, *, crossing="past", tensors=2, per=None,
+                 z=True):
+    """The solution; the keywords make it one typical mistake or another."""
+    x = 2 * features * D // (features + D)
     return {"quadratic_macs": T * T * 2 * D, "linear_macs": 2 * T * D * D,
-            "crossover_length": crossover, "kv_cache_bytes": 2 * L * H * T * D * nbytes,
-            "state_bytes": L * H * (D * D + D) * nbytes}
+            "crossover_length": {"past": x + 1, "at": x, "same_widths": D + 1}[crossing],
+            "kv_cache_bytes": tensors * L * H * T * D * (per or nbytes),
+            "state_bytes": L * H * (D * D + (D if z else 0)) * (per or nbytes)}
 
 
 @pytest.mark.parametrize("key, fn", [(ELU, elu_feature_map), (STEP, recurrent_step),
@@ -264,64 +270,114 @@ def test_chunk_step_may_not_call_the_package_or_sdpa():
 
 # --- linear_costs --------------------------------------------------------------------------------
 
-def test_the_costs_are_what_flop_counter_mode_counts():
-    """The multiply-add formulas of (a) and (b), checked with FlopCounterMode (2 FLOPs per
-    multiply-add) on small sizes, and the crossover by brute force."""
-    from torch.utils.flop_counter import FlopCounterMode
-    t, d, dv = 48, 12, 5
-    fq, fk, v = torch.rand(t, d), torch.rand(t, d), torch.rand(t, dv)
-    for order, expected in (("quadratic", t * t * (d + dv)), ("linear", 2 * t * d * dv)):
-        with FlopCounterMode(display=False) as flops:
-            (fq @ fk.T) @ v if order == "quadratic" else fq @ (fk.T @ v)
-        assert flops.get_total_flops() == 2 * expected
-    answers = get(COSTS).reference()
-    first = next(t for t in range(1, 1000) if 2 * t * 256 * 128 < t * t * (256 + 128))
-    assert answers["crossover_length"] == first == 171
+def costs_sizes(seeds=range(10)):
+    """The public sets of sizes and the hidden ones drawn with ``seeds``, each once."""
+    sizes = [COST_SIZES, MORE_COST_SIZES]
+    for seed in seeds:
+        for case in hidden_cases(COSTS, seed):
+            if dict(case.kwargs) not in sizes:
+                sizes.append(dict(case.kwargs))
+    return sizes
+
+
+def macs(order, t, d_feat, dv):
+    """Multiply-adds of one order of the product, counted by FlopCounterMode (2 FLOPs each) on
+    meta tensors: nothing is computed, whatever the sizes."""
+    fq, fk = torch.empty(t, d_feat, device="meta"), torch.empty(t, d_feat, device="meta")
+    v = torch.empty(t, dv, device="meta")
+    with FlopCounterMode(display=False) as flops:
+        (fq @ fk.T) @ v if order == "quadratic" else fq @ (fk.T @ v)
+    return flops.get_total_flops() // 2
+
+
+def test_the_costs_are_what_flop_counter_mode_and_the_package_count_on_public_and_hidden_sizes():
+    """(a) and (b) counted by FlopCounterMode; (c) the first T where FlopCounterMode counts
+    fewer for the linear order; (d) the bytes of the package's KVCache and (e) the numbers of
+    its linear attention state times nbytes, for one layer, times L."""
+    sizes = costs_sizes()
+    assert len(sizes) == 2 + 3 * 10
+    for size in sizes:
+        T, D, F, L, H, nbytes = (size[k] for k in ("T", "D", "features", "L", "H", "nbytes"))
+        right = get(COSTS).reference(**size)
+        assert right["quadratic_macs"] == macs("quadratic", T, D, D)
+        assert right["linear_macs"] == macs("linear", T, D, D)
+        c = right["crossover_length"]
+        assert macs("linear", c, F, D) < macs("quadratic", c, F, D)
+        assert c == 1 or macs("linear", c - 1, F, D) >= macs("quadratic", c - 1, F, D)
+        dtype = {2: torch.bfloat16, 4: torch.float32}[nbytes]
+        cache = KVCache(1, H, T, D, dtype=dtype, device="meta")
+        assert right["kv_cache_bytes"] == L * cache.nbytes
+        k = torch.empty(1, H, 3, D, device="meta")
+        state = linear_attention_state(k, k)             # kept in float32: count its numbers
+        assert right["state_bytes"] == L * (state.s.numel() + state.z.numel()) * nbytes
+        assert right == linear_costs(**size)
+    answers = get(COSTS).reference(**COST_SIZES)
+    assert answers["crossover_length"] == 171
     assert answers["kv_cache_bytes"] == 2 * 2 ** 30                 # 2 GiB at 4096 tokens
-    assert LLAMA2_7B["context"] == COST_SIZES["T"]
 
 
-def test_the_state_bytes_are_what_the_package_state_holds():
-    k, v = torch.randn(1, 32, 10, 128, dtype=torch.bfloat16), torch.randn(1, 32, 10, 128,
-                                                                          dtype=torch.bfloat16)
-    state = course_attn.linear.linear_attention_state(k.float(), v.float())
-    per_layer = (state.s.numel() + state.z.numel()) * 2               # bf16: 2 bytes
-    assert get(COSTS).reference()["state_bytes"] == LLAMA2_7B["n_layers"] * per_layer
+def test_linear_costs_hidden_sizes_cover_their_regimes():
+    for seed in range(20):
+        wide, tie, narrow = costs_sizes([seed])[2:]
+        assert wide["features"] >= wide["D"] + 3 and wide["T"] > wide["D"]
+        assert tie["features"] == 3 * tie["D"] and tie["D"] % 2 == 0 and tie["T"] <= tie["D"]
+        assert narrow["features"] < narrow["D"]
+        assert all(s["nbytes"] in (2, 4) and s["T"] >= 2 for s in (wide, tie, narrow))
 
 
 def test_linear_costs_mistakes():
-    a, b, c, d, e = (case.name for case in get(COSTS).public_cases())
-    right = linear_costs()
+    cases = [case.name for case in get(COSTS).public_cases()]
+    a, b, c, d, e, a2, b2, c2, d2, e2 = cases
+    T, D = COST_SIZES["T"], COST_SIZES["D"]
 
     def answering(**wrong):
-        return lambda: {**right, **wrong}
-    T, D = 4096, 128
+        return lambda **size: {**linear_costs(**size), **wrong} if size == COST_SIZES \
+            else linear_costs(**size)
+
+    def with_(**mistake):
+        return lambda **size: linear_costs(**size, **mistake)
     assert_fails(COSTS, answering(quadratic_macs=T * T * D), a, hint="only the scores")
     assert_fails(COSTS, answering(linear_macs=T * D * D), b, hint="only φ(K)ᵀ V")
-    assert_fails(COSTS, answering(crossover_length=129), c, hint="D' = Dv")
-    assert_fails(COSTS, answering(crossover_length=170), c, hint="crossing itself")
-    assert_fails(COSTS, answering(kv_cache_bytes=right["kv_cache_bytes"] // 2), d,
-                 hint="keys only")
-    assert_fails(COSTS, answering(kv_cache_bytes=right["kv_cache_bytes"] * 2,
-                                  state_bytes=right["state_bytes"] * 2), d,
-                 hint="4 bytes per number")
-    assert_fails(COSTS, answering(state_bytes=32 * 32 * D * D * 2), e, hint="left out z")
-    assert_fails(COSTS, answering(state_bytes=right["state_bytes"] * T), e,
-                 hint="grows with the length")
-    assert_fails(COSTS, lambda: [1, 2, 3, 4, 5], a, message="should return a dict")
+    assert_fails(COSTS, with_(crossing="same_widths"), c, hint="D' = Dv")
+    assert_fails(COSTS, with_(crossing="same_widths"), c2, hint="D' = Dv")
+    assert_fails(COSTS, with_(crossing="at"), c, hint="crossing itself")
+    assert_fails(COSTS, with_(crossing="at"), c2, hint="crossing itself")      # a tie at 96
+    assert_fails(COSTS, with_(tensors=1), d, hint="keys only")
+    assert_fails(COSTS, with_(per=1), d2, hint="numbers, not bytes", message="too small")
+    assert_fails(COSTS, with_(per=1), e, hint="numbers, not bytes")
+    assert_fails(COSTS, with_(z=False), e, hint="left out z")
+    assert_fails(COSTS, answering(state_bytes=linear_costs(**COST_SIZES)["state_bytes"] * T), e,
+                 hint="grows with the length", message="too large")
+    assert_fails(COSTS, lambda **size: [1, 2, 3, 4, 5], a, message="should return a dict")
 
 
 def test_linear_costs_never_shows_the_right_answer():
-    right = linear_costs()
-    for result in run_exercise(get(COSTS), lambda: {k: 12345 for k in right}).results:
+    for result in run_exercise(get(COSTS), lambda **size: dict.fromkeys(COST_QUESTIONS,
+                                                                         12345)).results:
         assert not result.passed
-        for value in right.values():
-            if value > 1000:
-                assert str(value) not in result.message and f"{value:,}" not in result.message
+        assert result.message.endswith("too large") or result.message.endswith("too small")
+        assert "times" not in result.message
+        for size in (COST_SIZES, MORE_COST_SIZES):
+            for value in linear_costs(**size).values():
+                if value > 1000:
+                    assert str(value) not in result.message + result.hint
+                    assert f"{value:,}" not in result.message
+
+
+def test_linear_costs_pasted_as_constants_fails_the_hidden_cases_of_every_seed():
+    pasted = {str(size): linear_costs(**size) for size in (COST_SIZES, MORE_COST_SIZES)}
+
+    def linear_costs_pasted(**size):             # the public answers, typed in
+        return pasted.get(str(size), pasted[str(COST_SIZES)])
+    assert run_exercise(get(COSTS), linear_costs_pasted).passed
+    for seed in range(20):
+        judgement = run_exercise(get(COSTS), linear_costs_pasted, hidden_cases(COSTS, seed))
+        assert not judgement.passed, seed
+        assert sum(not r.passed for r in judgement.results) >= 12, seed
 
 
 def test_linear_costs_may_not_call_the_package():
-    def with_the_package():
+    def with_the_package(**size):
         course_attn.causal_mask(2)
-        return linear_costs()
+        return linear_costs(**size)
     assert_banned(COSTS, with_the_package, "course_attn")

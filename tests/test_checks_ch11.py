@@ -12,14 +12,17 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import course_attn
 from course_attn.grading import get, run_exercise
-from course_attn.grading.ch11 import BUDGET_SIZES, MISTRAL_7B
+from course_attn.grading.ch11 import BUDGET_QUESTIONS, BUDGET_SIZES, MORE_BUDGET_SIZES
 from course_attn.grading.exercise import hidden_cases, load_hidden
+from course_attn.local import RollingKVCache
+from course_attn.masks import key_reach
 from course_attn.model import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
@@ -61,17 +64,21 @@ def local_attention_block(q, k, v, start, window, *, lo_shift=0, read_all=False,
     return torch.softmax(scores, dim=-1) @ v_in
 
 
-def window_budget():
-    L, H_kv, D, W, T = 32, 8, 128, 4096, 16384
+def window_budget(T, W, L, H, H_kv, D, nbytes, *, per_layer="W-1", plus_one=True, heads="kv",
+                  tensors=2, pairs="window"):
+    """The solution; the keywords make it one typical mistake or another."""
+    step = {"W-1": W - 1, "W": W}[per_layer]
+    start = 1 if plus_one and per_layer == "W-1" else 0
 
     def reach(layers):
-        return layers * (W - 1) + 1
+        return layers * step + start
     layers = 1
     while reach(layers) < T:
         layers += 1
-    return {"reach": reach(L), "layers_to_cover": layers,
-            "pairs": sum(min(i + 1, W) for i in range(T)),
-            "cache_bytes": 2 * L * H_kv * D * W * 2}
+    count = {"window": sum(min(i + 1, W) for i in range(T)), "all_W": T * W,
+             "causal": T * (T + 1) // 2}[pairs]
+    return {"reach": reach(L), "layers_to_cover": layers, "pairs": count,
+            "cache_bytes": tensors * L * (H_kv if heads == "kv" else H) * D * W * nbytes}
 
 
 @pytest.mark.parametrize("key, fn", [(MASK, window_mask), (INDEX, rolling_index),
@@ -291,51 +298,127 @@ def test_the_reach_is_what_gradients_show_on_a_windowed_gpt():
         assert touched == list(range(24 - reach, 24)), (n_layers, window, touched)
 
 
-def test_the_budget_numbers_follow_from_the_configuration():
-    answers = window_budget()
-    assert answers == get(BUDGET).reference()
-    W, L, T = MISTRAL_7B["window"], MISTRAL_7B["n_layers"], BUDGET_SIZES["T"]
+def budget_sizes(seeds=range(10)):
+    """The public sets of sizes and the hidden ones drawn with ``seeds``, each once."""
+    sizes = [BUDGET_SIZES, MORE_BUDGET_SIZES]
+    for seed in seeds:
+        for case in hidden_cases(BUDGET, seed):
+            if dict(case.kwargs) not in sizes:
+                sizes.append(dict(case.kwargs))
+    return sizes
+
+
+def one_layer_back(seen, window):
+    """Positions whose token a layer's output at the positions ``seen`` (a bool array, by
+    position) reads: key j for every query i seen with 0 <= i - j < window, i.e. some position
+    seen among j .. j + window - 1 (counted with a running sum; numpy, one thread)."""
+    counts = np.cumsum(seen, dtype=np.int64)
+    last = counts[np.minimum(np.arange(len(seen)) + window - 1, len(seen) - 1)]
+    return last > np.concatenate([[0], counts[:-1]])
+
+
+def test_one_layer_back_is_the_window_mask():
+    for t, w in ((12, 3), (9, 9), (7, 1)):
+        seen = torch.rand(t) < 0.3
+        by_mask = (course_attn.sliding_window_mask(t, t, w) & seen[:, None]).any(0)
+        assert (one_layer_back(seen.numpy(), w) == by_mask.numpy()).all()
+
+
+def test_the_budget_is_a_brute_force_count_on_public_and_hidden_sizes():
+    """(a) and (b): positions followed back layer by layer; (c) the keys of each query, from
+    the package's rule for the keys a run of queries sees; (d) the package's rolling cache."""
+    sizes = budget_sizes(range(5))          # a layer back is a pass over up to L·W positions
+    assert len(sizes) == 2 + 4 * 5
+    for size in sizes:
+        T, W, L, H_kv, D, nbytes = (size[k] for k in ("T", "W", "L", "H_kv", "D", "nbytes"))
+        right = get(BUDGET).reference(**size)
+        seen = np.zeros(L * W + 1, dtype=bool)
+        seen[-1] = True                                  # one position p, far from the start
+        for _ in range(L):
+            seen = one_layer_back(seen, W)
+        assert right["reach"] == int(seen.sum()) and not seen[0]
+        seen, layers = np.zeros(T, dtype=bool), 0
+        seen[-1] = True                                  # the last position of T
+        while not seen[0]:
+            seen, layers = one_layer_back(seen, W), layers + 1
+        assert right["layers_to_cover"] == max(layers, 1)
+        assert right["pairs"] == sum(hi - lo for lo, hi in (
+            key_reach(i, i, T, is_causal=True, window=W) for i in range(T)))
+        dtype = {2: torch.float16, 4: torch.float32}[nbytes]
+        cache = RollingKVCache(1, H_kv, W, D, dtype=dtype, device="meta")
+        assert right["cache_bytes"] == L * cache.nbytes
+        assert right == window_budget(**size)
+    for t, w in ((16, 4), (40, 7), (5, 9)):        # (c) counted on the mask itself
+        size = {**MORE_BUDGET_SIZES, "T": t, "W": w}
+        assert get(BUDGET).reference(**size)["pairs"] == \
+            int(course_attn.sliding_window_mask(t, t, w).sum())
+    answers = get(BUDGET).reference(**BUDGET_SIZES)
     assert answers["reach"] == 131041 and answers["layers_to_cover"] == 5
-    assert answers["pairs"] == W * (W + 1) // 2 + (T - W) * W
-    for t, w in ((16, 4), (40, 7), (5, 9)):        # the same sum, counted on the mask itself
-        assert int(course_attn.sliding_window_mask(t, t, w).sum()) == \
-            sum(min(i + 1, w) for i in range(t))
     assert answers["cache_bytes"] == 512 * 2 ** 20     # 512 MiB; 8 times less than 32768 tokens
-    assert L * (W - 1) + 1 < L * W
+
+
+def test_window_budget_hidden_sizes_cover_their_regimes():
+    for seed in range(20):
+        divides, exact, overshoot, short = budget_sizes([seed])[2:]
+        assert divides["T"] % divides["W"] == 0 and divides["T"] >= 2 * divides["W"]
+        assert (exact["T"] - 1) % (exact["W"] - 1) == 0 and exact["T"] % exact["W"]
+        assert exact["H_kv"] == 1
+        assert (overshoot["T"] - 1) % (overshoot["W"] - 1) and overshoot["T"] > overshoot["W"]
+        assert 2 <= short["T"] <= short["W"]
+        for size in (divides, exact, overshoot, short):
+            assert size["H"] > size["H_kv"] and size["L"] >= 2 and size["W"] >= 16
 
 
 def test_window_budget_mistakes():
-    a, b, c, d = (case.name for case in get(BUDGET).public_cases())
-    right = window_budget()
+    cases = [case.name for case in get(BUDGET).public_cases()]
+    a, b, c, d, a2, b2, c2, d2 = cases
 
-    def answering(**wrong):
-        return lambda: {**right, **wrong}
-    assert_fails(BUDGET, answering(reach=32 * 4096, layers_to_cover=4), a,
-                 hint="W new positions per layer", message="a little too large")
-    assert_fails(BUDGET, answering(reach=32 * 4096, layers_to_cover=4), b,
-                 hint="W new positions per layer", message="too small")
-    assert_fails(BUDGET, answering(reach=32 * 4095), a, hint="left out the position itself")
-    assert_fails(BUDGET, answering(reach=4096), a, hint="one layer only")
-    assert_fails(BUDGET, answering(pairs=16384 * 4096), c, hint="W keys for every query")
-    assert_fails(BUDGET, answering(pairs=16384 * 16385 // 2), c, hint="full causal attention")
-    assert_fails(BUDGET, answering(cache_bytes=4 * right["cache_bytes"]), d,
-                 hint="query heads", message="4 times")
-    assert_fails(BUDGET, answering(cache_bytes=right["cache_bytes"] // 2), d,
-                 hint="keys only")
-    assert_fails(BUDGET, lambda: [1, 2, 3, 4], a, message="should return a dict")
+    def with_(**mistake):
+        return lambda **size: window_budget(**size, **mistake)
+    assert_fails(BUDGET, with_(per_layer="W"), a, hint="W new positions per layer",
+                 message="a little too large")
+    assert_fails(BUDGET, with_(per_layer="W"), b, hint="W new positions per layer",
+                 message="too small")
+    assert_fails(BUDGET, with_(plus_one=False), a, hint="left out the position itself")
+    assert_fails(BUDGET, with_(plus_one=False), b2, hint="left out the position itself",
+                 message="too large")                   # one layer more, where they cover T exactly
+    assert results(BUDGET, with_(plus_one=False))[b].passed
+    assert_fails(BUDGET, lambda **size: {**window_budget(**size), "reach": size["W"]}, a,
+                 hint="one layer only")
+    assert_fails(BUDGET, with_(pairs="all_W"), c, hint="W keys for every query")
+    assert_fails(BUDGET, with_(pairs="causal"), c2, hint="full causal attention")
+    assert_fails(BUDGET, with_(heads="query"), d, hint="query heads")
+    assert_fails(BUDGET, with_(heads="query"), d2, hint="query heads")
+    assert_fails(BUDGET, with_(tensors=1), d, hint="keys only")
+    assert_fails(BUDGET, lambda **size: [1, 2, 3, 4], a, message="should return a dict")
 
 
 def test_window_budget_never_shows_the_right_answer():
-    right = window_budget()
-    for result in run_exercise(get(BUDGET), lambda: {k: 12345 for k in right}).results:
+    for result in run_exercise(get(BUDGET), lambda **size: dict.fromkeys(BUDGET_QUESTIONS,
+                                                                          12345)).results:
         assert not result.passed
-        for value in right.values():
-            assert not re.search(rf"\b{value}\b", result.message)
-            assert value < 1000 or f"{value:,}" not in result.message
+        assert result.message.endswith("too large") or result.message.endswith("too small")
+        assert "times" not in result.message
+        for size in (BUDGET_SIZES, MORE_BUDGET_SIZES):
+            for value in window_budget(**size).values():
+                assert not re.search(rf"\b{value}\b", result.message + result.hint)
+                assert value < 1000 or f"{value:,}" not in result.message
+
+
+def test_window_budget_pasted_as_constants_fails_the_hidden_cases_of_every_seed():
+    pasted = {str(size): window_budget(**size) for size in (BUDGET_SIZES, MORE_BUDGET_SIZES)}
+
+    def window_budget_pasted(**size):            # the public answers, typed in
+        return pasted.get(str(size), pasted[str(BUDGET_SIZES)])
+    assert run_exercise(get(BUDGET), window_budget_pasted).passed
+    for seed in range(20):
+        judgement = run_exercise(get(BUDGET), window_budget_pasted, hidden_cases(BUDGET, seed))
+        assert not judgement.passed, seed
+        assert sum(not r.passed for r in judgement.results) >= 12, seed
 
 
 def test_window_budget_may_not_call_the_package():
-    def with_the_package():
+    def with_the_package(**size):
         course_attn.causal_mask(2)
-        return window_budget()
+        return window_budget(**size)
     assert_banned(BUDGET, with_the_package, "course_attn")

@@ -8,12 +8,14 @@
                             (B, H, Tq, Tk); a row with no allowed key gives zeros
     ch03.document_mask      document_mask(doc_ids (B, T)) -> bool (B, 1, T, T): documents packed
                             in one sequence, causal inside each, nothing across; -1 is padding
-    ch03.fp16_fill          fp16_fill() -> dict: predictions of what float16 does to a fill
-                            value (predict: compared with what PyTorch computes)
+    ch03.fp16_fill          fp16_fill(dtype, fill, scores) -> dict: predictions of what a
+                            dtype ("float16" or "float32") does to a fill value: the cast, an
+                            option of MASKED_FILL_OPTIONS for masked_fill, and the softmax of a
+                            fully masked row (predict: compared with what PyTorch computes)
 
 References: ``course_attn.causal_mask``, ``course_attn.padding_mask`` and
-``course_attn.scaled_dot_product_attention``; the document mask from ``causal_mask``; the fp16
-predictions computed by PyTorch.
+``course_attn.scaled_dot_product_attention``; the document mask from ``causal_mask``; the fill
+predictions computed by PyTorch, run for the dtype, fill and scores of each case.
 """
 
 import math
@@ -252,123 +254,173 @@ register(Exercise(
 ))
 
 
-# --- ch03.fp16_fill: predict what float16 does to a fill value ---------------------------------
+# --- ch03.fp16_fill: predict what a dtype does to a fill value ---------------------------------
 
+FILL_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+MASKED_FILL_OPTIONS = ("error", "fills")   # what s.masked_fill(~allowed, fill) does
 FP16_QUESTIONS = {
     # key: (case name, hint of the case)
-    "minus_1e9_in_fp16": (
-        "(a) torch.tensor(-1e9).half()",
-        "float16's largest magnitude is 65504; a cast rounds to the nearest float16, and past the "
-        "largest finite number the nearest is infinite"),
-    "masked_fill_fp16": (
-        "(b) scores.half().masked_fill(~allowed, -1e9)",
-        "masked_fill checks that its value fits the tensor's dtype before it writes anything"),
-    "dead_row_fp16_minus_1e9": (
-        "(c) a fully masked row in float16, fill -1e9",
-        "work out the fill in float16 first, then what torch.softmax does with a row of those "
-        "numbers (torch.softmax, not course_attn.softmax)"),
-    "dead_row_fp16_min": (
-        "(d) a fully masked row in float16, fill finfo(float16).min",
-        "near -65504, float16 numbers are 32 apart: min + s rounds to the nearest one of them, "
-        "or past the end of the range"),
-    "dead_row_fp32_minus_1e9": (
-        "(e) a fully masked row in float32, fill -1e9",
-        "near -1e9, float32 numbers are 64 apart: -1e9 + s rounds to the nearest one of them"),
+    "cast": (
+        "(a) torch.tensor(fill).to(dtype)",
+        "a cast rounds to the nearest number of the dtype: compare the fill with the dtype's "
+        "largest finite magnitude (65504 in float16, about 3.4e38 in float32)"),
+    "masked_fill": (
+        "(b) s.masked_fill(~allowed, fill)",
+        "masked_fill checks that its value fits the dtype before it writes anything"),
+    "dead_row": (
+        "(c) torch.softmax(s + torch.tensor(fill).to(dtype), dim=-1), every key masked",
+        "work out each fill + s in the dtype (the nearest number of the dtype to the exact sum), "
+        "then what torch.softmax does with that row (torch.softmax, not course_attn.softmax)"),
 }
+# The chapter's four scores with the three fills of its sections 7 and 8 (float16 -1e9, float16
+# min, float32 -1e9), then -inf, and a fill small enough for float32 to keep the scores, and the
+# same fill in float16, where the scores fall on a grid of 8. Together they catch every typical
+# mistake below, each named by its own hint.
+FILL_CASES = (
+    dict(dtype="float16", fill=-1e9, scores=(-10.0, 5.0, -20.0, 2.0)),
+    dict(dtype="float16", fill=-65504.0, scores=(-10.0, 5.0, -20.0, 2.0)),
+    dict(dtype="float32", fill=-1e9, scores=(-10.0, 5.0, -20.0, 2.0)),
+    dict(dtype="float32", fill=-math.inf, scores=(1.5, -0.5, 2.0)),
+    dict(dtype="float32", fill=-1e4, scores=(1.5, -0.5, 2.0, 0.5)),
+    dict(dtype="float16", fill=-1e4, scores=(5.5, -3.5, 1.5)),
+)
 NAN = float("nan")
 
 
-def fp16_fill_reference():
-    """What PyTorch (on the CPU) gives for each question of the exercise, computed, not typed."""
-    scores = torch.tensor([-10.0, 5.0, -20.0, 2.0])
-    allowed = torch.tensor([True, False, True, True])
+def fp16_fill_reference(dtype, fill, scores):
+    """What PyTorch (on the CPU) does with this dtype ("float16" or "float32"), fill (a Python
+    float) and scores (one query's scores, a tuple of Python floats): run, not typed."""
+    s = torch.tensor(scores).to(FILL_DTYPES[dtype])
+    cast = torch.tensor(fill).to(FILL_DTYPES[dtype])
+    allowed = torch.arange(len(scores)) % 2 == 0                  # any mask that hides a key
     try:
-        masked = scores.half().masked_fill(~allowed, -1e9).tolist()
-    except RuntimeError:
+        s.masked_fill(~allowed, fill)
+        masked = "fills"
+    except RuntimeError:                                          # the value does not fit
         masked = "error"
-    fill16 = torch.tensor(-1e9).half()
-    return {
-        "minus_1e9_in_fp16": fill16.item(),
-        "masked_fill_fp16": masked,
-        "dead_row_fp16_minus_1e9": torch.softmax(scores.half() + fill16, dim=-1).tolist(),
-        "dead_row_fp16_min": torch.softmax(scores.half() + torch.finfo(torch.float16).min,
-                                           dim=-1).tolist(),
-        "dead_row_fp32_minus_1e9": torch.softmax(scores + -1e9, dim=-1).tolist(),
-    }
+    return {"cast": cast.item(), "masked_fill": masked,
+            "dead_row": torch.softmax(s + cast, dim=-1).tolist()}
 
 
-def _same_prediction(actual, expected) -> bool:
-    """A float (inf and NaN allowed), a string, or a list of floats, equal within 1e-3."""
-    if isinstance(expected, str):
-        return isinstance(actual, str) and expected in actual.strip().lower()
-    if isinstance(expected, (int, float)):
-        actual = as_number(actual)
-        if actual is None:
-            return False
-        if math.isnan(expected) or math.isnan(actual):
-            return math.isnan(expected) and math.isnan(actual)
-        return math.isclose(actual, expected, rel_tol=1e-3, abs_tol=1e-3)
-    if isinstance(actual, torch.Tensor):
-        actual = actual.tolist()
+def _same_number(actual, expected) -> bool:
+    """A number (inf and NaN allowed) within 1e-3 of ``expected``, NaN matching NaN."""
+    actual = as_number(actual)
+    if actual is None:
+        return False
+    if math.isnan(expected) or math.isnan(actual):
+        return math.isnan(expected) and math.isnan(actual)
+    return math.isclose(actual, expected, rel_tol=1e-3, abs_tol=1e-3)
+
+
+def _same_fill_prediction(key, actual, expected) -> bool:
+    if key == "masked_fill":                # a choice: one of the options, exactly
+        return isinstance(actual, str) and actual.strip() == expected
+    if key == "cast":
+        return _same_number(actual, expected)
     return isinstance(actual, (list, tuple)) and len(actual) == len(expected) and \
-        all(_same_prediction(a, e) for a, e in zip(actual, expected))
+        all(_same_number(a, e) for a, e in zip(actual, expected))
 
 
-FP16 = Questions(FP16_QUESTIONS,
-                 same=lambda key, actual, expected: _same_prediction(actual, expected),
-                 wrong=lambda key, actual, expected: f"your prediction {key!r} is not what "
-                                                     "PyTorch gives")
+def _wrong_fill_prediction(key, actual, expected) -> str:
+    """What is wrong with a prediction, never what the right one is."""
+    if key == "masked_fill" and (not isinstance(actual, str) or
+                                 actual.strip() not in MASKED_FILL_OPTIONS):
+        shown = repr(actual) if isinstance(actual, str) else type(actual).__name__
+        return (f"your 'masked_fill' is not one of the options "
+                f"{', '.join(repr(o) for o in MASKED_FILL_OPTIONS)}: got {shown[:80]}")
+    if key == "cast" and as_number(actual) is None:
+        return (f"your 'cast' should be a float (-math.inf and math.nan are floats), got "
+                f"{type(actual).__name__}")
+    if key == "dead_row":
+        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
+            return (f"your 'dead_row' should be a list of {len(expected)} floats, one per "
+                    f"score, got {type(actual).__name__}"
+                    + (f" of length {len(actual)}" if isinstance(actual, (list, tuple)) else ""))
+        if any(as_number(a) is None for a in actual):
+            return "your 'dead_row' should hold only floats (math.nan is a float)"
+    return f"your prediction {key!r} is not what PyTorch gives"
 
 
-def _predicting(**wrong):
-    """A typical wrong prediction: the right answers with these ones changed."""
-    return lambda: {**fp16_fill_reference(), **wrong}
+FP16 = Questions(FP16_QUESTIONS, same=_same_fill_prediction, wrong=_wrong_fill_prediction)
 
+
+def _uniform(n):
+    return [1.0 / n] * n
+
+
+def _overflowed(right, fill) -> bool:
+    """Whether a finite fill became infinite in the dtype."""
+    return math.isfinite(fill) and math.isinf(right["cast"])
+
+
+def _predicting(rule):
+    """A typical wrong prediction: the right answers, with the parts that ``rule(right, dtype,
+    fill, scores)`` returns changed."""
+    def fn(dtype, fill, scores):
+        right = fp16_fill_reference(dtype, fill, scores)
+        return {**right, **rule(right, dtype, fill, tuple(scores))}
+    return fn
+
+
+SURVIVES = ("you assumed the fill survives the cast to the dtype unchanged: compare it first with "
+            "the dtype's largest finite magnitude (65504 in float16)")
+NOT_NAN_NOR_ZEROS = ("a fully masked row is 0/0 only when all its filled scores are -inf: with a "
+                     "finite fill in the dtype the row's maximum is finite, and torch.softmax "
+                     "divides by a sum of at least 1")
 
 register(Exercise(
     key="ch03.fp16_fill", function="fp16_fill", reference=fp16_fill_reference,
-    cases=FP16.cases, compare=FP16.compare,
+    cases=lambda: FP16.cases(*FILL_CASES), compare=FP16.compare,
     # A prediction, not a computation: no tensors inside the function.
     banned=("course_attn", "torch.tensor", "torch.as_tensor", "torch.full", "torch.Tensor.half",
             "torch.Tensor.to", "torch.Tensor.masked_fill", "torch.softmax",
             "torch.Tensor.softmax", "torch.nn.functional.softmax"),
     mistakes=(
-        Mistake("you assumed -1e9 survives the cast to float16: float16 stops at 65504, and a "
-                "cast past it rounds to -inf",
-                _predicting(minus_1e9_in_fp16=-1e9, dead_row_fp16_minus_1e9=[0.25] * 4)),
-        Mistake("you assumed -1e9 survives the cast to float16: float16 stops at 65504, and a "
-                "cast past it rounds to -inf", _predicting(minus_1e9_in_fp16=-1e9)),
-        Mistake("you assumed a cast saturates at float16's most negative number, -65504: out "
-                "of range, it rounds to -inf", _predicting(minus_1e9_in_fp16=-65504.0)),
-        Mistake("you assumed masked_fill rounds -1e9 as a cast does: it refuses a value that "
-                "does not fit the dtype (RuntimeError) and writes nothing",
-                _predicting(masked_fill_fp16=[-10.0, -math.inf, -20.0, 2.0])),
-        Mistake("you assumed masked_fill rounds -1e9 as a cast does: it refuses a value that "
-                "does not fit the dtype (RuntimeError) and writes nothing",
-                _predicting(masked_fill_fp16=[-10.0, -65504.0, -20.0, 2.0])),
-        Mistake("zeros for a fully masked row is what course_attn's guarded softmax gives; "
-                "torch.softmax of a row of -inf computes 0/0 = NaN",
-                _predicting(dead_row_fp16_minus_1e9=[0.0] * 4)),
-        Mistake("you assumed the fill leaves a uniform row, as in float32; in float16 -1e9 "
-                "became -inf, and torch.softmax of a row of -inf is 0/0 = NaN",
-                _predicting(dead_row_fp16_minus_1e9=[0.25] * 4)),
-        Mistake("you assumed every min + s rounds back to min (a uniform row): float16 numbers "
-                "near -65504 are 32 apart, so min + s overflows to -inf once s <= -16",
-                _predicting(dead_row_fp16_min=[0.25] * 4)),
+        # the misconception carried through: the fill stayed finite, so the row is uniform
+        Mistake(SURVIVES, _predicting(lambda right, dtype, fill, scores: {
+            "cast": fill,
+            "dead_row": _uniform(len(scores)) if _overflowed(right, fill) else right["dead_row"]})),
+        Mistake(SURVIVES, _predicting(lambda right, dtype, fill, scores: {"cast": fill})),
+        Mistake("you assumed a cast past the end of the range saturates at the dtype's most "
+                "negative finite number: a cast rounds to the nearest number of the dtype, it "
+                "does not clamp",
+                _predicting(lambda right, dtype, fill, scores: {
+                    "cast": torch.finfo(FILL_DTYPES[dtype]).min if _overflowed(right, fill)
+                    else right["cast"]})),
+        Mistake("you assumed masked_fill rounds its value as a cast does: it first checks that "
+                "the value fits the dtype",
+                _predicting(lambda right, dtype, fill, scores: {"masked_fill": "fills"})),
+        Mistake("you assumed masked_fill refuses -inf: its check is for a finite value beyond "
+                "the dtype's largest magnitude, and infinities are values of every floating "
+                "dtype",
+                _predicting(lambda right, dtype, fill, scores: {
+                    "masked_fill": "error" if math.isinf(fill) else right["masked_fill"]})),
+        Mistake("you answered what course_attn's guarded softmax gives for a row of -inf "
+                "(zeros); the line calls torch.softmax, which has no such guard",
+                _predicting(lambda right, dtype, fill, scores: {
+                    "dead_row": [0.0] * len(scores)
+                    if all(math.isnan(w) for w in right["dead_row"]) else right["dead_row"]})),
+        Mistake("you assumed the fill stays a finite number in this dtype, so that the row comes "
+                "out uniform as in float32: work out first what the fill becomes in the dtype",
+                _predicting(lambda right, dtype, fill, scores: {
+                    "dead_row": _uniform(len(scores)) if _overflowed(right, fill)
+                    else right["dead_row"]})),
+        Mistake("you assumed every fill + s rounds back to the fill (a uniform row): near the "
+                "fill the numbers of the dtype are a spacing apart, and each fill + s rounds to "
+                "the nearest of them, which need not be the same one for every score",
+                _predicting(lambda right, dtype, fill, scores: {
+                    "dead_row": _uniform(len(scores)) if math.isfinite(right["cast"])
+                    else right["dead_row"]})),
         Mistake("you assumed adding the same fill to every score changes nothing (true in exact "
-                "arithmetic): in float16 each min + s rounds to min or to -inf",
-                _predicting(dead_row_fp16_min=torch.softmax(
-                    torch.tensor([-10.0, 5.0, -20.0, 2.0]), dim=-1).tolist())),
-        Mistake("you assumed adding the same fill to every score changes nothing (true in exact "
-                "arithmetic): in float32 each -1e9 + s rounds back to -1e9, as float32 numbers "
-                "near 1e9 are 64 apart, so the row is uniform",
-                _predicting(dead_row_fp32_minus_1e9=torch.softmax(
-                    torch.tensor([-10.0, 5.0, -20.0, 2.0]), dim=-1).tolist())),
-        Mistake("-1e9 is finite in float32, so the row's maximum is finite and nothing is 0/0: "
-                "the row is not NaN (nor zeros)",
-                _predicting(dead_row_fp32_minus_1e9=[NAN] * 4)),
-        Mistake("-1e9 is finite in float32, so the row's maximum is finite and nothing is 0/0: "
-                "the row is not NaN (nor zeros)",
-                _predicting(dead_row_fp32_minus_1e9=[0.0] * 4)),
+                "arithmetic): in the dtype, each fill + s is rounded to the nearest number the "
+                "dtype has, and near a large fill those are far apart",
+                _predicting(lambda right, dtype, fill, scores: {
+                    "dead_row": torch.softmax(torch.tensor(scores, dtype=torch.float64),
+                                              dim=-1).tolist() if math.isfinite(right["cast"])
+                    else right["dead_row"]})),
+        Mistake(NOT_NAN_NOR_ZEROS, _predicting(lambda right, dtype, fill, scores: {
+            "dead_row": [NAN] * len(scores)})),
+        Mistake(NOT_NAN_NOR_ZEROS, _predicting(lambda right, dtype, fill, scores: {
+            "dead_row": [0.0] * len(scores)})),
     ),
 ))

@@ -6,8 +6,9 @@
     ch04.multi_head_attention  multi_head_attention(x, w_q, w_k, w_v, w_o, n_heads, causal)
                                -> (B, T, C): self-attention with H heads; every weight is
                                (C, C) in nn.Linear's (out, in) convention, q = x @ w_q.T
-    ch04.mha_cost              mha_cost() -> dict: parameters, multiply-adds and score entries
-                               of an 8-head layer against one head of full width (derive)
+    ch04.mha_cost              mha_cost(C, H, T) -> dict: parameters, multiply-adds and score
+                               entries of an H-head layer of width C on T tokens, against one
+                               head of full width (derive)
 
 References: ``course_attn.split_heads`` and ``course_attn.merge_heads``; the multi-head
 forward from them and ``course_attn.scaled_dot_product_attention``; the costs counted by
@@ -205,27 +206,30 @@ register(Exercise(
 
 # --- ch04.mha_cost: derive what H heads cost against one head ---------------------------------
 
-COST_SIZES = dict(C=512, H=8, T=1024)
+# The chapter's sizes, and a short sequence (T < D) through GPT-2 small's width: on both,
+# every typical mistake below differs from the right count (H > 1, D != T, C != T).
+COST_SIZES = (dict(C=512, H=8, T=1024), dict(C=768, H=12, T=50))
 COST_QUESTIONS = {
     # key: (case name, hint of the case)
-    "params": ("(a) parameters of the 8-head layer",
+    "params": ("(a) parameters of the H-head layer",
                "four (C, C) projections, no biases: W_Q, W_K, W_V and W_O"),
     "projection_macs": ("(b) multiply-adds of the four projections, T tokens",
                         "a (T, C) @ (C, C) product is T·C·C multiply-adds; there are four"),
-    "attention_macs_multi": ("(c) multiply-adds of the scores and the weighted sum, 8 heads",
+    "attention_macs_multi": ("(c) multiply-adds of the scores and the weighted sum, H heads",
                              "per head: (T, D) @ (D, T) for the scores, (T, T) @ (T, D) for "
                              "the weighted sum; D = C / H; then H heads"),
     "attention_macs_single": ("(d) the same for one head of width C",
                               "one head: (T, C) @ (C, T), then (T, T) @ (T, C)"),
-    "score_entries_multi": ("(e) entries of the attention weights, 8 heads",
+    "score_entries_multi": ("(e) entries of the attention weights, H heads",
                             "every head has its own (T, T) table of weights"),
     "score_entries_single": ("(f) entries of the attention weights, one head",
                              "one head: one (T, T) table"),
 }
 
 
-def mha_cost_reference(C=COST_SIZES["C"], H=COST_SIZES["H"], T=COST_SIZES["T"]):
-    """One sequence of T tokens through a self-attention layer of width C, no biases."""
+def mha_cost_reference(C, H, T):
+    """One sequence of T tokens through a self-attention layer of width C with H heads (H
+    divides C), no biases."""
     D = C // H
     return {
         "params": 4 * C * C,
@@ -241,18 +245,18 @@ COSTS = count_questions(COST_QUESTIONS)
 
 
 def _costing(**wrong):
-    """A typical mistake: the right counts with these ones computed another way (from C, H,
-    T and D = C / H)."""
-    def fn():
-        c, h, t = COST_SIZES["C"], COST_SIZES["H"], COST_SIZES["T"]
-        sizes = dict(C=c, H=h, T=t, D=c // h)
-        return {**mha_cost_reference(), **{k: rule(**sizes) for k, rule in wrong.items()}}
+    """A typical mistake: the right counts with these ones computed another way, each rule a
+    function of C, H, T and D = C / H."""
+    def fn(C, H, T):
+        sizes = dict(C=C, H=H, T=T, D=C // H)
+        return {**mha_cost_reference(C, H, T),
+                **{k: rule(**sizes) for k, rule in wrong.items()}}
     return fn
 
 
 register(Exercise(
     key="ch04.mha_cost", function="mha_cost", reference=mha_cost_reference,
-    cases=COSTS.cases, compare=COSTS.compare, banned=("course_attn",),
+    cases=lambda: COSTS.cases(*COST_SIZES), compare=COSTS.compare, banned=("course_attn",),
     mistakes=(
         Mistake("you left out the output projection W_O: it is a (C, C) matrix too",
                 _costing(params=lambda C, H, T, D: 3 * C * C,
@@ -297,8 +301,9 @@ register(Exercise(
                 _costing(projection_macs=lambda C, H, T, D: 8 * T * C * C,
                          attention_macs_multi=lambda C, H, T, D: 4 * T * T * C,
                          attention_macs_single=lambda C, H, T, D: 4 * T * T * C)),
-        Mistake("the heads share the scores' cost, not the weights: each head has its own "
-                "(T, T) table, H of them",
+        Mistake("you counted one table of weights for all the heads: the heads split the "
+                "channels, not the table; each head weighs the T keys for each of the T "
+                "queries itself",
                 _costing(score_entries_multi=lambda C, H, T, D: T * T)),
         Mistake("the table of weights is (T, T) per head, whatever its width: it does not "
                 "grow with D or C",

@@ -7,8 +7,10 @@
                             index t rotated by t·θᵢ, channel i paired with i + D/2 (half-split)
     ch05.pairing_permutation  pairing_permutation(head_dim) -> long (D,): the permutation p with
                             half_split(x[..., p]) == interleaved(x)[..., p]
-    ch05.rope_predictions   rope_predictions() -> dict: three things to work out by hand about
-                            RoPE (derive: compared with what the package computes)
+    ch05.rope_predictions   rope_predictions(head_dim, base, m, n, candidates) -> dict: three
+                            things to work out by hand about RoPE, for the sizes and positions
+                            given: two numbers, and a choice among SAME_SCORE_OPTIONS (derive:
+                            compared with what the package computes)
 
 References: ``course_attn.rope_frequencies`` and ``course_attn.apply_rotary_emb``; the
 predictions computed with them.
@@ -195,103 +197,136 @@ register(Exercise(
 
 # --- ch05.rope_predictions: work out by hand --------------------------------------------------
 
-CANDIDATE_PAIRS = [(3, 0), (2, 5), (10, 7), (6, 2), (100, 97), (5, 5)]
+# (c) is a choice: the letter of one of the candidate pairs (m', n') the function is given.
+SAME_SCORE_OPTIONS = ("A", "B", "C", "D")
 
 ROPE_QUESTIONS = {
     # key: (case name, hint of the case)
     "slowest_wavelength": (
-        "(a) the wavelength in tokens of the slowest pair, D=64, base=10000",
+        "(a) the wavelength in tokens of the slowest pair",
         "a pair turning by θ per token comes back to where it started after 2π/θ tokens; the "
         "slowest pair is the last one, i = D/2 - 1"),
     "score": (
-        "(b) q = (1, 0) at position 3, k = (0, 1) at position 1, D=2",
-        "with D = 2 the one pair has θ₀ = 1; rotate q by 3 radians and k by 1 radian, then take "
+        "(b) the score of q = (1, 0) at position m and k = (0, 1) at position n, D = 2",
+        "with D = 2 the one pair has θ₀ = 1; rotate q by m radians and k by n radians, then take "
         "the dot product (or use q_m · k_n = q · R((n - m)θ) k)"),
-    "same_score_as_5_2": (
-        "(c) which (m, n) give the score of (m, n) = (5, 2) for any q and k",
-        "the score depends on m - n, with its sign: a difference of -3 is not one of 3"),
+    "same_score": (
+        "(c) the candidate (m', n') with the score of (m, n) for any q and k",
+        "the score depends on the positions through m - n only, with its sign: a difference "
+        "of -3 is not one of 3"),
 }
 
+# The chapter's sizes (D = 64, base 10000; (b) at m = 3, n = 1), and Llama 3's base with the
+# query before the key, deep in a context.
+PUBLIC_PREDICTIONS = (
+    dict(head_dim=64, base=10000.0, m=3, n=1,
+         candidates={"A": (1, 3), "B": (12, 10), "C": (3, 0), "D": (6, 1)}),
+    dict(head_dim=128, base=500000.0, m=1000, n=1003,
+         candidates={"A": (20, 23), "B": (1000, 1010), "C": (1006, 1003), "D": (990, 1003)}),
+)
 
-def rope_predictions_reference():
+
+def _rotated_score(q, k, m, n, head_dim, base):
+    """q · k after RoPE turns q (..., D) to position m and k to position n; float64."""
+    def rotated(v, position):
+        return _rotate(v[None, None, None, :], _angles(torch.tensor([position]), head_dim, base))
+    return (rotated(q, m) * rotated(k, n)).sum().item()
+
+
+def rope_predictions_reference(head_dim, base, m, n, candidates):
     """Computed with the package: the wavelength from θ in float64, the score by rotating the
-    two vectors, the pairs by comparing scores of random vectors."""
-    theta_last = _theta(64, 10000.0)[-1].item()
-    q, k = torch.tensor([[[[1.0, 0.0]]]], dtype=torch.float64), \
-        torch.tensor([[[[0.0, 1.0]]]], dtype=torch.float64)
-
-    def rotated(v, m, d):
-        return _rotate(v, _angles(torch.tensor([m]), d))
-
-    score = (rotated(q, 3, 2) * rotated(k, 1, 2)).sum().item()
+    two vectors, the candidate by comparing the scores of random vectors (several q and k of
+    ``head_dim`` channels: the one candidate whose score equals that of (m, n) for all)."""
+    theta_last = _theta(head_dim, base)[-1].item()
+    one, other = (torch.tensor(v, dtype=torch.float64) for v in ((1.0, 0.0), (0.0, 1.0)))
+    score = _rotated_score(one, other, m, n, 2, base)
     gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(1, 1, 1, 16, generator=gen, dtype=torch.float64) for _ in range(2))
-    target = (rotated(q, 5, 16) * rotated(k, 2, 16)).sum()
-    same = [[m, n] for m, n in CANDIDATE_PAIRS
-            if torch.isclose((rotated(q, m, 16) * rotated(k, n, 16)).sum(), target)]
+    vectors = [(torch.randn(head_dim, generator=gen, dtype=torch.float64),
+                torch.randn(head_dim, generator=gen, dtype=torch.float64)) for _ in range(3)]
+    scores = [_rotated_score(q, k, m, n, head_dim, base) for q, k in vectors]
+    same = [letter for letter, (m2, n2) in candidates.items()
+            if all(math.isclose(_rotated_score(q, k, m2, n2, head_dim, base), target,
+                                rel_tol=1e-9, abs_tol=1e-9)
+                   for (q, k), target in zip(vectors, scores))]
+    if len(same) != 1:
+        raise ValueError(f"candidates {candidates} hold {len(same)} pairs with the score of "
+                         f"({m}, {n}), not one")
     return {"slowest_wavelength": 2 * math.pi / theta_last, "score": score,
-            "same_score_as_5_2": same}
-
-
-def _as_pairs(answer):
-    if isinstance(answer, torch.Tensor):
-        answer = answer.tolist()
-    if not isinstance(answer, (list, tuple, set)):
-        return None
-    pairs = set()
-    for pair in answer:
-        if isinstance(pair, torch.Tensor):
-            pair = pair.tolist()
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in pair):
-            return None
-        pairs.add(tuple(pair))
-    return pairs
+            "same_score": same[0]}
 
 
 def _same_prediction(key, actual, expected) -> bool:
-    if key == "same_score_as_5_2":
-        return _as_pairs(actual) == _as_pairs(expected)
+    if key == "same_score":
+        return isinstance(actual, str) and actual.strip() == expected
     actual = as_number(actual)
     return actual is not None and math.isclose(actual, expected, rel_tol=1e-3, abs_tol=1e-3)
 
 
-PREDICTIONS = Questions(ROPE_QUESTIONS, same=_same_prediction,
-                        wrong=lambda key, actual, expected: f"your answer {key!r} is not what "
-                                                            "the package computes")
+def _wrong_prediction(key, actual, expected) -> str:
+    if key == "same_score" and not (isinstance(actual, str)
+                                    and actual.strip() in SAME_SCORE_OPTIONS):
+        shown = repr(actual) if len(repr(actual)) <= 40 else repr(actual)[:37] + "..."
+        return (f"your answer {key!r} is {shown}, which is not one of the options "
+                f"{', '.join(map(repr, SAME_SCORE_OPTIONS))}: answer with the letter of a "
+                "candidate, as a string")
+    return f"your answer {key!r} is not what the package computes"
+
+
+PREDICTIONS = Questions(ROPE_QUESTIONS, same=_same_prediction, wrong=_wrong_prediction)
+
+
+def _letter(candidates, m, n, wanted):
+    """The letter of the first candidate (m', n') for which ``wanted(m', n')`` holds; None if
+    none does."""
+    return next((letter for letter, (m2, n2) in candidates.items() if wanted(m2, n2)), None)
 
 
 def _predicting(**wrong):
-    """A typical wrong prediction: the right answers with these ones changed."""
-    return lambda: {**rope_predictions_reference(), **wrong}
+    """A typical wrong prediction: the right answers, with each key of ``wrong`` replaced by
+    ``wrong[key](head_dim, base, m, n, candidates)``."""
+    def fn(head_dim, base, m, n, candidates):
+        right = rope_predictions_reference(head_dim, base, m, n, candidates)
+        return {**right, **{key: answer(head_dim, base, m, n, candidates)
+                            for key, answer in wrong.items()}}
+    return fn
+
+
+def _other_difference(m, n, m2, n2):
+    """(m', n') has neither the difference m - n nor n - m."""
+    return m2 - n2 not in (m - n, n - m)
 
 
 register(Exercise(
     key="ch05.rope_predictions", function="rope_predictions",
-    reference=rope_predictions_reference, cases=PREDICTIONS.cases, compare=PREDICTIONS.compare,
+    reference=rope_predictions_reference,
+    cases=lambda: PREDICTIONS.cases(*PUBLIC_PREDICTIONS), compare=PREDICTIONS.compare,
     # Worked out by hand: math.pi, math.cos and the like are fine, tensors are not.
     banned=("course_attn", "torch.tensor", "torch.as_tensor", "torch.arange", "torch.randn",
             "torch.zeros", "torch.ones", "torch.polar", "torch.complex"),
     mistakes=(
         Mistake("you took the slowest pair's angle per token for its wavelength: a pair turning "
                 "by θ per token needs 2π/θ tokens for a full turn",
-                _predicting(slowest_wavelength=1 / 10000 ** (62 / 64))),
+                _predicting(slowest_wavelength=lambda d, base, *_: base ** (-(d - 2) / d))),
         Mistake("you took the wavelength of a pair with θ = 1/base: the last pair is "
                 "i = D/2 - 1, so θ = base^(-(D-2)/D), a little faster than 1/base",
-                _predicting(slowest_wavelength=2 * math.pi * 10000)),
+                _predicting(slowest_wavelength=lambda d, base, *_: 2 * math.pi * base)),
         Mistake("you forgot the 2π: a full turn is 2π radians, not 1",
-                _predicting(slowest_wavelength=10000 ** (62 / 64))),
+                _predicting(slowest_wavelength=lambda d, base, *_: base ** ((d - 2) / d))),
         Mistake("you rotated by -θ (or took n - m the other way round): q_m · k_n = "
                 "q · R((n - m)θ) k, and here the sign of the angle matters",
-                _predicting(score=-math.sin(2))),
+                _predicting(score=lambda d, base, m, n, _: math.sin(n - m))),
         Mistake("you did not rotate: the score of q and k rotated by different angles is not "
-                "q · k", _predicting(score=0.0)),
-        Mistake("the difference m - n has a sign: for general q and k the score at m - n = -3 "
-                "differs from the one at +3",
-                _predicting(same_score_as_5_2=[[3, 0], [2, 5], [10, 7], [100, 97]])),
-        Mistake("more pairs than (5, 2) have the difference m - n = 3",
-                _predicting(same_score_as_5_2=[])),
-        Mistake("the score depends on the difference m - n, not on n alone",
-                _predicting(same_score_as_5_2=[[6, 2]])),
+                "q · k", _predicting(score=lambda *_: 0.0)),
+        Mistake("the difference m - n has a sign: for general q and k the score at n - m "
+                "differs from the one at m - n",
+                _predicting(same_score=lambda d, base, m, n, candidates: _letter(
+                    candidates, m, n, lambda m2, n2: m2 - n2 == n - m))),
+        Mistake("the score depends on the difference m - n, not on the key's position n alone",
+                _predicting(same_score=lambda d, base, m, n, candidates: _letter(
+                    candidates, m, n, lambda m2, n2: n2 == n and _other_difference(m, n, m2, n2)))),
+        Mistake("the score depends on the difference m - n, not on the query's position m "
+                "alone",
+                _predicting(same_score=lambda d, base, m, n, candidates: _letter(
+                    candidates, m, n, lambda m2, n2: m2 == m and _other_difference(m, n, m2, n2)))),
     ),
 ))

@@ -7,11 +7,13 @@
                             their gains), then softmax(q kᵀ/√D) v
     ch06.softcap            softcap(scores, cap) -> cap · tanh(scores / cap), Gemma 2's logit
                             soft-capping
-    ch06.qk_norm_limits     qk_norm_limits() -> dict: the largest score and the largest weight
-                            QK-norm allows (derive: compared with the formulas, computed)
+    ch06.qk_norm_limits     qk_norm_limits(D, T, q_gain, k_gain, weight) -> dict: the largest
+                            score and the largest weight QK-norm allows, and the gain a weight
+                            needs, for the sizes and gains given (derive: compared with the
+                            formulas, computed)
 
 References: ``course_attn.rms_norm`` and ``course_attn.scaled_dot_product_attention``; the
-soft-cap formula; the limits computed from the bound |q̂·k̂| ≤ ‖q̂‖‖k̂‖ = D.
+soft-cap formula; the limits computed from the bound |q̂·k̂| ≤ max_i |g^Q_i g^K_i| · D.
 """
 
 import math
@@ -236,41 +238,62 @@ register(Exercise(
 
 LIMIT_QUESTIONS = {
     # key: (case name, hint of the case)
-    "max_score_d16": (
-        "(a) the largest score, D=16, unit gains",
+    "max_score": (
+        "(a) the largest score, unit gains",
         "after RMSNorm with unit gains a vector has RMS 1, so its norm is sqrt(D); bound the dot "
         "product by the product of the norms, then divide by sqrt(D)"),
-    "max_weight_d16_t64": (
-        "(b) the largest weight on one key, D=16, T=64",
+    "max_weight": (
+        "(b) the largest weight on one key among T, unit gains",
         "the weight on key j is 1 / (1 + sum over the other keys of exp(s_l - s_j)); make s_j "
         "as large and every other s_l as small as the bound allows"),
-    "max_weight_d4_t64": (
-        "(c) the largest weight on one key, D=4, T=64",
-        "the same formula as (b) with D=4: the bound on the scores shrinks with D"),
-    "gain_for_09_d4_t64": (
-        "(d) the gain g for a weight of 0.9, D=4, T=64",
+    "max_score_gains": (
+        "(c) the largest score with the gains q_gain and k_gain",
+        "the gains multiply q and k channel by channel, so the score is a sum over the channels "
+        "of g^Q_i g^K_i q̃_i k̃_i; ask on which channel q̃ and k̃ should put their length"),
+    "gain_for_weight": (
+        "(d) the gain g with which one key among T gets the weight `weight`",
         "a gain g on every channel of q and of k multiplies every score by g twice; solve the "
-        "formula of (c) for g"),
+        "formula of (b) for g"),
 }
 
+# The chapter's sizes (D = 16, T = 64) and those of its smallest head (D = 4); the largest
+# product of one channel's gains is a negative one, and neither gain vector has its largest
+# entry on that channel.
+PUBLIC_LIMITS = (
+    dict(D=16, T=64,
+         q_gain=[0.9, 1.1, 2.0, 0.8, 1.2, 0.7, 1.0, 0.6, 1.3, 0.9, 0.5, 1.1, 0.8, 1.4, 0.7, 1.0],
+         k_gain=[1.0, 0.8, 0.3, 1.1, -1.5, 0.9, 0.7, 1.9, 0.6, 1.2, 0.8, 0.9, 1.0, 0.5, 1.1, 0.6],
+         weight=0.99),
+    dict(D=4, T=64, q_gain=[1.5, 0.3, -1.2, 0.6], k_gain=[0.4, 2.0, 1.3, 0.5], weight=0.9),
+)
 
-def _max_weight(d, t, gain=1.0, others=None):
-    """The largest weight one key can get among t keys: its score at +gain²·sqrt(d), the t - 1
-    others at ``others`` (default: -gain²·sqrt(d), as far down as the bound allows)."""
+
+def _max_weight(d, t, gain=1.0, others=None, competitors=None):
+    """The largest weight one key can get among t keys: its score at +gain²·sqrt(d), the
+    ``competitors`` others (default t - 1) at ``others`` (default: -gain²·sqrt(d), as far down
+    as the bound allows)."""
     top = gain ** 2 * math.sqrt(d)
     low = -top if others is None else others
-    return 1.0 / (1.0 + (t - 1) * math.exp(low - top))
+    return 1.0 / (1.0 + (t - 1 if competitors is None else competitors) * math.exp(low - top))
 
 
-def _gain_for(weight, d, t):
-    # 1 / (1 + (t - 1) exp(-2 g² sqrt(d))) = weight  <=>  2 g² sqrt(d) = ln((t - 1) w / (1 - w))
-    return math.sqrt(math.log((t - 1) * weight / (1 - weight)) / (2 * math.sqrt(d)))
+def _gain_for(weight, d, t, *, spread=2.0, competitors=None):
+    # 1 / (1 + (t - 1) exp(-2 g² sqrt(d))) = weight  <=>  2 g² sqrt(d) = ln((t - 1) w / (1 - w));
+    # ``spread`` 1 puts the other keys at score 0, ``competitors`` counts them another way
+    others = t - 1 if competitors is None else competitors
+    return math.sqrt(math.log(others * weight / (1 - weight)) / (spread * math.sqrt(d)))
 
 
-def qk_norm_limits_reference():
-    """The four answers, computed from the bound |q̂ · k̂| <= ||q̂|| ||k̂|| = D."""
-    return {"max_score_d16": math.sqrt(16), "max_weight_d16_t64": _max_weight(16, 64),
-            "max_weight_d4_t64": _max_weight(4, 64), "gain_for_09_d4_t64": _gain_for(0.9, 4, 64)}
+def _largest_gain_product(q_gain, k_gain):
+    return max(abs(a * b) for a, b in zip(q_gain, k_gain))
+
+
+def qk_norm_limits_reference(D, T, q_gain, k_gain, weight):
+    """The four answers, computed from the bound |q̂ · k̂| <= max_i |g^Q_i g^K_i| ||q̃|| ||k̃||,
+    ||q̃|| = ||k̃|| = sqrt(D), which a q̃ and a k̃ on the channel of that largest product reach."""
+    return {"max_score": math.sqrt(D), "max_weight": _max_weight(D, T),
+            "max_score_gains": _largest_gain_product(q_gain, k_gain) * math.sqrt(D),
+            "gain_for_weight": _gain_for(weight, D, T)}
 
 
 def _same_number(actual, expected) -> bool:
@@ -285,30 +308,47 @@ LIMITS = Questions(LIMIT_QUESTIONS,
 
 
 def _answering(**wrong):
-    """A typical wrong answer: the right answers with these ones changed."""
-    return lambda: {**qk_norm_limits_reference(), **wrong}
+    """A typical wrong answer: the right answers, with each key of ``wrong`` replaced by
+    ``wrong[key](D, T, q_gain, k_gain, weight)``."""
+    def fn(D, T, q_gain, k_gain, weight):
+        right = qk_norm_limits_reference(D, T, q_gain, k_gain, weight)
+        return {**right, **{key: answer(D, T, q_gain, k_gain, weight)
+                            for key, answer in wrong.items()}}
+    return fn
 
 
 register(Exercise(
     key="ch06.qk_norm_limits", function="qk_norm_limits", reference=qk_norm_limits_reference,
-    cases=LIMITS.cases, compare=LIMITS.compare, banned=("course_attn",),
+    cases=lambda: LIMITS.cases(*PUBLIC_LIMITS), compare=LIMITS.compare, banned=("course_attn",),
     mistakes=(
         Mistake("you forgot the 1/sqrt(D) of the scores: the dot product of two normalised "
                 "vectors is at most D, and the score is that over sqrt(D)",
-                _answering(max_score_d16=16.0)),
+                _answering(max_score=lambda D, *_: float(D))),
         Mistake("you took a normalised vector to have norm 1 (a cosine): RMSNorm makes the RMS "
-                "1, so the norm is sqrt(D)", _answering(max_score_d16=0.25)),
+                "1, so the norm is sqrt(D)", _answering(max_score=lambda D, *_: 1 / math.sqrt(D))),
         Mistake("you took a normalised vector to have norm 1 (a cosine): RMSNorm makes the RMS "
-                "1, so the norm is sqrt(D)", _answering(max_score_d16=1.0)),
+                "1, so the norm is sqrt(D)", _answering(max_score=lambda *_: 1.0)),
         Mistake("you left the other keys at score 0: the bound lets each of them go down to "
                 "-sqrt(D), which makes the winning key's weight larger",
-                _answering(max_weight_d16_t64=_max_weight(16, 64, others=0.0),
-                           max_weight_d4_t64=_max_weight(4, 64, others=0.0))),
+                _answering(max_weight=lambda D, T, *_: _max_weight(D, T, others=0.0),
+                           gain_for_weight=lambda D, T, qg, kg, w: _gain_for(w, D, T,
+                                                                             spread=1.0))),
         Mistake("you counted T other keys: the winning key is one of the T, so T - 1 others "
                 "compete with it",
-                _answering(max_weight_d16_t64=1 / (1 + 64 * math.exp(-8)),
-                           max_weight_d4_t64=1 / (1 + 64 * math.exp(-4)))),
+                _answering(max_weight=lambda D, T, *_: _max_weight(D, T, competitors=T),
+                           gain_for_weight=lambda D, T, qg, kg, w: _gain_for(w, D, T,
+                                                                             competitors=T))),
+        Mistake("you multiplied the largest gain of q by the largest gain of k: the gains meet "
+                "channel by channel, g^Q_i g^K_i, and the two largest may sit on different "
+                "channels",
+                _answering(max_score_gains=lambda D, T, qg, kg, w: max(map(abs, qg))
+                           * max(map(abs, kg)) * math.sqrt(D))),
+        Mistake("you took the largest product g^Q_i g^K_i with its sign: a negative product "
+                "reaches the bound too (with k pointing against q), so the bound is on |s|",
+                _answering(max_score_gains=lambda D, T, qg, kg, w: max(
+                    a * b for a, b in zip(qg, kg)) * math.sqrt(D))),
         Mistake("a gain g on q and a gain g on k multiply each score by g², not g: you gave the "
-                "g² that is needed", _answering(gain_for_09_d4_t64=_gain_for(0.9, 4, 64) ** 2)),
+                "g² that is needed",
+                _answering(gain_for_weight=lambda D, T, qg, kg, w: _gain_for(w, D, T) ** 2)),
     ),
 ))

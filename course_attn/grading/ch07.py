@@ -7,9 +7,10 @@
                            whose H query heads share Hkv key/value heads
     ch07.kv_cache_bytes    kv_cache_bytes(config, seq_len, batch_size=1, bytes_per_element=2)
                            -> int: the KV cache's size for a model's config.json
-    ch07.cache_questions   cache_questions() -> dict: which KV head a query head reads, how many
-                           tokens fit in a cache, how much MLA saves (derive: compared with the
-                           formulas, computed)
+    ch07.cache_questions   cache_questions(layers, heads, kv_heads, head_dim, bytes_per_element,
+                           query_head, cache_gib, latent_dim, rope_dim) -> dict: which KV head a
+                           query head reads, how many tokens fit in a cache, how much MLA saves
+                           (derive: compared with the formulas, on public and hidden sizes)
 
 References: ``course_attn.repeat_kv`` and ``course_attn.scaled_dot_product_attention(...,
 enable_gqa=True)``; the cache size 2 · layers · B · Hkv · D · T · bytes.
@@ -238,35 +239,63 @@ register(Exercise(
 ))
 
 
-# --- ch07.cache_questions: derive ----------------------------------------------------------------
+# --- ch07.cache_questions: derive, as a function of the model's sizes ---------------------------
 
 QUESTIONS = {
-    "kv_head_of_query_13": (
-        "(a) the KV head that query head 13 reads, H=32, Hkv=8",
-        "the query heads are split into Hkv groups of consecutive heads; count which group "
-        "head 13 falls in (heads count from 0)"),
-    "tokens_in_16_gib": (
-        "(b) the tokens that fit in 16 GiB of cache, Llama-3-8B in bf16",
+    "kv_head": (
+        "(a) the KV head that query head `query_head` reads",
+        "the query heads are split into kv_heads groups of consecutive heads; count which group "
+        "query_head falls in (heads count from 0)"),
+    "tokens_that_fit": (
+        "(b) the tokens whose keys and values fit in `cache_gib` GiB",
         "divide the memory by the bytes one token takes in every layer: a key and a value per "
         "KV head"),
-    "mla_saving_deepseek_v2": (
-        "(c) how many times smaller DeepSeek-V2's MLA cache is than MHA's",
+    "mla_saving": (
+        "(c) how many times smaller MLA's cache is than MHA's with the same heads",
         "MHA caches a key and a value per head per token and layer; MLA caches one latent and "
         "one shared RoPE key"),
 }
 
 GIB = 2 ** 30
 
+# Public sizes, none of which lets a typical mistake give the right answer somewhere it must be
+# caught: Llama-3-8B (GQA, 8 KV heads, bf16) with DeepSeek-V2's MLA sizes in place of its cache;
+# DeepSeek-V2's own 128 heads of 128, cached as MHA would cache them (the chapter's question
+# (c)); a Falcon-7B-like MQA model (71 heads of 64, one KV head) with a float32 cache.
+LLAMA3_8B_SIZES = dict(layers=32, heads=32, kv_heads=8, head_dim=128, bytes_per_element=2,
+                       query_head=13, cache_gib=16, latent_dim=512, rope_dim=64)
+DEEPSEEK_V2_AS_MHA_SIZES = dict(layers=60, heads=128, kv_heads=128, head_dim=128,
+                                bytes_per_element=2, query_head=100, cache_gib=80, latent_dim=512,
+                                rope_dim=64)
+FALCON_LIKE_MQA_SIZES = dict(layers=32, heads=71, kv_heads=1, head_dim=64, bytes_per_element=4,
+                             query_head=70, cache_gib=24, latent_dim=256, rope_dim=32)
+CACHE_SIZES = (LLAMA3_8B_SIZES, DEEPSEEK_V2_AS_MHA_SIZES, FALCON_LIKE_MQA_SIZES)
 
-def _tokens_in(memory, *, factor=2, heads=8, element=2):
-    return memory // (factor * 32 * heads * 128 * element)
+
+def _kv_head(query_head, heads, kv_heads, *, tiled=False, wrong_way=False):
+    if tiled:
+        return query_head % kv_heads
+    return query_head // (kv_heads if wrong_way else heads // kv_heads)
 
 
-def cache_questions_reference():
-    """(a) 13 // (32 / 8); (b) 16 GiB over Llama-3-8B's bytes per token; (c) 2 · 128 · 128
-    over 512 + 64."""
-    return {"kv_head_of_query_13": 13 // (32 // 8), "tokens_in_16_gib": _tokens_in(16 * GIB),
-            "mla_saving_deepseek_v2": 2 * 128 * 128 / (512 + 64)}
+def _tokens_in(cache_gib, layers, kv_heads, head_dim, bytes_per_element, *, factor=2,
+               gib=GIB):
+    return cache_gib * gib // (factor * layers * kv_heads * head_dim * bytes_per_element)
+
+
+def _mla_saving(heads, head_dim, latent_dim, rope_dim, *, factor=2, with_rope=True):
+    return factor * heads * head_dim / (latent_dim + (rope_dim if with_rope else 0))
+
+
+def cache_questions_reference(layers, heads, kv_heads, head_dim, bytes_per_element, query_head,
+                              cache_gib, latent_dim, rope_dim):
+    """(a) query_head // (heads / kv_heads); (b) cache_gib · 2³⁰ over the bytes of a token,
+    2 · layers · kv_heads · head_dim · bytes_per_element, rounded down; (c) 2 · heads · head_dim
+    over latent_dim + rope_dim."""
+    return {"kv_head": _kv_head(query_head, heads, kv_heads),
+            "tokens_that_fit": _tokens_in(cache_gib, layers, kv_heads, head_dim,
+                                          bytes_per_element),
+            "mla_saving": _mla_saving(heads, head_dim, latent_dim, rope_dim)}
 
 
 def _same_number(actual, expected) -> bool:
@@ -279,30 +308,52 @@ ANSWERS = Questions(QUESTIONS, same=lambda key, actual, expected: _same_number(a
                                                         "the formula gives")
 
 
-def _answering(**wrong):
-    """A typical wrong answer: the right answers with these ones changed."""
-    return lambda: {**cache_questions_reference(), **wrong}
+def _answering(key, wrong):
+    """A typical wrong answer: the right answers, with the one of ``key`` computed by
+    ``wrong(sizes)`` (``sizes``: the keyword arguments, as a dict)."""
+    def fn(layers, heads, kv_heads, head_dim, bytes_per_element, query_head, cache_gib,
+           latent_dim, rope_dim):
+        sizes = dict(layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                     bytes_per_element=bytes_per_element, query_head=query_head,
+                     cache_gib=cache_gib, latent_dim=latent_dim, rope_dim=rope_dim)
+        return {**cache_questions_reference(**sizes), key: wrong(sizes)}
+    return fn
 
 
 register(Exercise(
     key="ch07.cache_questions", function="cache_questions", reference=cache_questions_reference,
-    cases=ANSWERS.cases, compare=ANSWERS.compare, banned=("course_attn",),
+    cases=lambda: ANSWERS.cases(*CACHE_SIZES), compare=ANSWERS.compare, banned=("course_attn",),
     mistakes=(
         Mistake("you tiled the heads (head h reads KV head h % Hkv): the query heads of one "
-                "group are consecutive", _answering(kv_head_of_query_13=13 % 8)),
-        Mistake("you divided by the group size the wrong way round: there are Hkv = 8 groups "
-                "of H / Hkv = 4 heads", _answering(kv_head_of_query_13=13 // 8)),
-        Mistake("you counted the query heads: only the 8 KV heads are cached",
-                _answering(tokens_in_16_gib=_tokens_in(16 * GIB, heads=32))),
+                "group are consecutive",
+                _answering("kv_head", lambda s: _kv_head(s["query_head"], s["heads"],
+                                                         s["kv_heads"], tiled=True))),
+        Mistake("you divided by the group size the wrong way round: there are Hkv groups of "
+                "H / Hkv heads each",
+                _answering("kv_head", lambda s: _kv_head(s["query_head"], s["heads"],
+                                                         s["kv_heads"], wrong_way=True))),
+        Mistake("you counted the query heads: only the KV heads are cached",
+                _answering("tokens_that_fit", lambda s: _tokens_in(
+                    s["cache_gib"], s["layers"], s["heads"], s["head_dim"],
+                    s["bytes_per_element"]))),
         Mistake("you forgot the factor 2: the cache holds the keys and the values",
-                _answering(tokens_in_16_gib=_tokens_in(16 * GIB, factor=1))),
-        Mistake("bf16 takes 2 bytes per number, not 4",
-                _answering(tokens_in_16_gib=_tokens_in(16 * GIB, element=4))),
+                _answering("tokens_that_fit", lambda s: _tokens_in(
+                    s["cache_gib"], s["layers"], s["kv_heads"], s["head_dim"],
+                    s["bytes_per_element"], factor=1))),
+        Mistake("you took 4 bytes a number, float32's size: a number of this cache takes "
+                "bytes_per_element bytes",
+                _answering("tokens_that_fit", lambda s: _tokens_in(
+                    s["cache_gib"], s["layers"], s["kv_heads"], s["head_dim"], 4))),
         Mistake("a GiB is 2³⁰ bytes, not 10⁹",
-                _answering(tokens_in_16_gib=_tokens_in(16 * 10 ** 9))),
+                _answering("tokens_that_fit", lambda s: _tokens_in(
+                    s["cache_gib"], s["layers"], s["kv_heads"], s["head_dim"],
+                    s["bytes_per_element"], gib=10 ** 9))),
         Mistake("you forgot the decoupled RoPE key: MLA caches it beside the latent",
-                _answering(mla_saving_deepseek_v2=2 * 128 * 128 / 512)),
+                _answering("mla_saving", lambda s: _mla_saving(
+                    s["heads"], s["head_dim"], s["latent_dim"], s["rope_dim"],
+                    with_rope=False))),
         Mistake("you forgot the factor 2 of MHA: it caches a key and a value per head",
-                _answering(mla_saving_deepseek_v2=128 * 128 / (512 + 64))),
+                _answering("mla_saving", lambda s: _mla_saving(
+                    s["heads"], s["head_dim"], s["latent_dim"], s["rope_dim"], factor=1))),
     ),
 ))

@@ -8,9 +8,10 @@
                           -> (B, H, T_new, Dv): rotate the new queries and keys at positions
                           L .. L + T_new - 1 (L = the cached length), append the new keys and
                           values to the cached ones, attend with the bottom-right causal mask
-    ch08.decode_savings   decode_savings() -> dict: multiply-adds of one step and of a whole
-                          generation, with and without the cache, for GPT-2 small (derive:
-                          compared with the formulas, computed)
+    ch08.decode_savings   decode_savings(L, C, V, T, P, N) -> dict: multiply-adds of one step and
+                          of a whole generation, with and without the cache, for a GPT of L
+                          layers, width C and vocabulary V (derive: compared with the formulas,
+                          on public and hidden sizes)
 
 References: ``course_attn.KVCache``; ``course_attn.apply_rotary_emb`` and
 ``course_attn.scaled_dot_product_attention``; the counts from M(Tq, Tk) = Tq·a + L·2·Tq·Tk·C.
@@ -260,27 +261,31 @@ register(Exercise(
 ))
 
 
-# --- ch08.decode_savings: count the work with and without a cache --------------------------------
+# --- ch08.decode_savings: count the work with and without a cache, for any sizes ---------------
 
-# GPT-2 small (Radford et al. 2019, the released configuration): 12 layers, width 768, a
-# vocabulary of 50257 tokens, an MLP of width 4 · 768. These are inputs, not measurements.
-GPT2_SMALL = {"L": 12, "C": 768, "V": 50257}
-SAVING_SIZES = {"T": 1024, "P": 512, "N": 256}
+# The public sizes. GPT-2 small (Radford et al. 2019, the released configuration): 12 layers,
+# width 768, a vocabulary of 50257 tokens, an MLP of width 4 · 768, with a long prompt and a
+# shorter answer; and the chapter's decode model (GPTConfig's defaults: 2 layers, width 64, a
+# vocabulary of 64) with the chapter's T = 40, P = 16, N = 48, more new tokens than the prompt.
+# These are inputs, not measurements.
+GPT2_SMALL_SIZES = dict(L=12, C=768, V=50257, T=1024, P=512, N=256)
+DECODE_MODEL_SIZES = dict(L=2, C=64, V=64, T=40, P=16, N=48)
+SAVING_SIZES = (GPT2_SMALL_SIZES, DECODE_MODEL_SIZES)
 
 SAVING_QUESTIONS = {
     "step_no_cache": (
-        "(a) one step without the cache, T=1024",
+        "(a) the step that predicts token T + 1, without the cache",
         "without the cache the step runs all T tokens: every token costs its projections, MLP "
         "and LM head, and each layer's attention compares T queries with T keys, twice"),
     "step_cache": (
-        "(b) one step with the cache, T=1024",
+        "(b) the same step with the cache",
         "with the cache one new token goes through the model, and its query meets T keys"),
     "generate_no_cache": (
-        "(c) a whole generation without the cache, P=512, N=256",
+        "(c) a whole generation of N tokens after P, without the cache",
         "add up one full forward pass per new token: count the tokens the first and the last "
         "pass see"),
     "generate_cache": (
-        "(d) a whole generation with the cache, P=512, N=256",
+        "(d) the same generation with the cache",
         "a prefill of the prompt gives the first new token; then single-token steps, each "
         "against one key more than the one before"),
 }
@@ -291,65 +296,66 @@ def _macs(tq, tk, L, C, V, mlp=True, head=True, products=2):
     return tq * per_token + L * products * tq * tk * C
 
 
-def _savings(**rule):
-    L, C, V = GPT2_SMALL["L"], GPT2_SMALL["C"], GPT2_SMALL["V"]
-    T, P, N = SAVING_SIZES["T"], SAVING_SIZES["P"], SAVING_SIZES["N"]
-
+def _savings(L, C, V, T, P, N, *, uncached=None, cached=None, **rule):
+    """The four counts, with M(tq, tk) = ``_macs`` under ``rule``; ``uncached(P, N)`` the lengths
+    of the uncached passes (else P .. P + N - 1), ``cached(m, P, N)`` the cached generation's
+    count (else the prefill and N - 1 single-token steps). Sums of at most N terms of
+    arithmetic: fast for any N the grader draws."""
     def m(tq, tk):
         return _macs(tq, tk, L, C, V, **rule)
+    lengths = range(P, P + N) if uncached is None else uncached(P, N)
     return {"step_no_cache": m(T, T), "step_cache": m(1, T),
-            "generate_no_cache": sum(m(t, t) for t in range(P, P + N)),
-            "generate_cache": m(P, P) + sum(m(1, t) for t in range(P + 1, P + N))}
+            "generate_no_cache": sum(m(t, t) for t in lengths),
+            "generate_cache": (m(P, P) + sum(m(1, t) for t in range(P + 1, P + N))
+                               if cached is None else cached(m, P, N))}
 
 
-def decode_savings_reference():
+def decode_savings_reference(L, C, V, T, P, N):
     """The four counts, from M(Tq, Tk) = Tq·(L·12·C² + C·V) + L·2·Tq·Tk·C."""
-    return _savings()
+    return _savings(L, C, V, T, P, N)
 
 
 SAVINGS = count_questions(SAVING_QUESTIONS)
 
 
-def _answering(**wrong):
-    """A typical wrong answer: the right counts with these ones changed."""
-    return lambda: {**decode_savings_reference(), **wrong}
+def _counting(wrong=None, **rule):
+    """A typical wrong answer, a function of the sizes: every count under ``rule``, or the right
+    counts with those ``wrong(sizes)`` returns changed."""
+    def fn(L, C, V, T, P, N):
+        if wrong is None:
+            return _savings(L, C, V, T, P, N, **rule)
+        return {**_savings(L, C, V, T, P, N), **wrong(L=L, C=C, V=V, T=T, P=P, N=N)}
+    return fn
 
 
-def _off_by_one(no_cache_range=None, cached=None):
-    L, C, V = GPT2_SMALL["L"], GPT2_SMALL["C"], GPT2_SMALL["V"]
-    P, N = SAVING_SIZES["P"], SAVING_SIZES["N"]
-
-    def m(tq, tk):
-        return _macs(tq, tk, L, C, V)
-    if no_cache_range is not None:
-        return _answering(generate_no_cache=sum(m(t, t) for t in no_cache_range(P, N)))
-    return _answering(generate_cache=cached(m, P, N))
+def _flops(L, C, V, T, P, N):
+    return {k: 2 * v for k, v in decode_savings_reference(L, C, V, T, P, N).items()}
 
 
 register(Exercise(
     key="ch08.decode_savings", function="decode_savings", reference=decode_savings_reference,
-    cases=SAVINGS.cases, compare=SAVINGS.compare, banned=("course_attn",),
+    cases=lambda: SAVINGS.cases(*SAVING_SIZES), compare=SAVINGS.compare, banned=("course_attn",),
     mistakes=(
         Mistake("you counted 2 FLOPs per multiply-add: the question asks for multiply-adds",
-                lambda: {k: 2 * v for k, v in decode_savings_reference().items()}),
+                _flops),
         Mistake("you left out the LM head: every token that goes through the model also meets "
-                "the (C, V) output matrix", lambda: _savings(head=False)),
+                "the (C, V) output matrix", _counting(head=False)),
         Mistake("you left out the MLP: each layer's feed-forward network costs more than its "
-                "attention projections", lambda: _savings(mlp=False)),
+                "attention projections", _counting(mlp=False)),
         Mistake("you counted only the scores q kᵀ: the weighted sum of the values is a second "
-                "product of the same size", lambda: _savings(products=1)),
+                "product of the same size", _counting(products=1)),
         Mistake("a cached step still runs its new token through every projection, MLP and the "
                 "LM head: you counted only its attention",
-                _answering(step_cache=2 * 12 * 1024 * 768)),
+                _counting(lambda L, C, V, T, P, N: {"step_cache": 2 * L * T * C})),
         Mistake("your first uncached pass or your last one is off by one: the first sees the P "
                 "prompt tokens, the last P + N - 1 (the last new token is never fed back)",
-                _off_by_one(no_cache_range=lambda P, N: range(P + 1, P + N + 1))),
+                _counting(uncached=lambda P, N: range(P + 1, P + N + 1))),
         Mistake("you left out the prefill: the cached generation first runs the whole prompt, "
                 "which gives the first new token",
-                _off_by_one(cached=lambda m, P, N: sum(m(1, t) for t in range(P + 1, P + N)))),
+                _counting(cached=lambda m, P, N: sum(m(1, t) for t in range(P + 1, P + N)))),
         Mistake("you counted N single-token steps after the prefill: the prefill already gives "
                 "the first new token, so N - 1 steps follow",
-                _off_by_one(cached=lambda m, P, N: m(P, P) + sum(m(1, t) for t in
-                                                                  range(P + 1, P + N + 1)))),
+                _counting(cached=lambda m, P, N: m(P, P) + sum(m(1, t) for t in
+                                                               range(P + 1, P + N + 1)))),
     ),
 ))

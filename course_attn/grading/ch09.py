@@ -11,8 +11,10 @@
     ch09.tile_mask        tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None)
                           -> bool (ceil(tq/block_q), ceil(tk/block_k)): the tiles that hold at
                           least one allowed (query, key) pair, bottom-right aligned
-    ch09.flash_counts     flash_counts() -> dict: tiles a causal and a windowed forward compute,
-                          and the memory traffic of the standard and the tiled forward (derive)
+    ch09.flash_counts     flash_counts(T, block, W, D) -> dict: tiles a causal and a windowed
+                          forward compute (T x T in square tiles of block, a window of W keys),
+                          and the memory traffic of the standard and the tiled forward (heads
+                          of D, query blocks of block rows) (derive, on sizes drawn at grading)
 
 References: ``course_attn.softmax``; ``course_attn.flash.merge_attention_states``; the update
 written out below; ``course_attn.masks`` reduced over blocks; the counts from the formulas of the
@@ -443,28 +445,34 @@ register(Exercise(
 
 # --- ch09.flash_counts: tiles and memory traffic, derived ----------------------------------------
 
-COUNT_SIZES = {"T": 1024, "block": 64, "W": 256, "T_traffic": 4096, "D": 64, "block_q": 128}
+# The chapter's sizes, and sizes whose last block is partial and whose window is not a whole
+# number of blocks (so that every typical mistake below gives a wrong answer on some case).
+COUNT_SIZES = dict(T=1024, block=64, W=256, D=64)
+MORE_COUNT_SIZES = dict(T=1000, block=64, W=200, D=32)
 
 COUNT_QUESTIONS = {
     "causal_tiles": (
-        "(a) tiles a causal forward computes, T=1024, 64 x 64 tiles",
-        "count, for each query block, the key blocks up to and including the diagonal one"),
+        "(a) tiles a causal forward computes",
+        "count, for each query block, the key blocks up to and including the diagonal one; a "
+        "partial last block is a block too"),
     "window_tiles": (
-        "(b) tiles a causal forward with a window of 256 computes, T=1024, 64 x 64 tiles",
+        "(b) tiles a causal forward with a window of W keys computes",
         "a query block's allowed keys run from W - 1 positions before its first query to its "
         "last query; count the key blocks that range touches, fewer near the start"),
     "standard_elements": (
-        "(c) elements the standard forward reads and writes, T=4096, D=64, one head",
+        "(c) elements the standard forward reads and writes, one head",
         "the T x T matrix is written as S, read, written as P and read again; add the reads of "
         "Q, K, V and the write of O"),
     "tiled_elements": (
-        "(d) elements the tiled forward reads and writes, T=4096, D=64, block_q=128, one head",
+        "(d) elements the tiled forward reads and writes, one head",
         "each query block reads its queries once and every key and value; the output and the "
         "log-sum-exp are written once"),
 }
 
 
 def _tiles(t, block, window=None):
+    """The tiles of a causal T x T table (square tiles of ``block``, the last ones partial) that
+    hold an allowed pair, counted tile by tile from the positions they cover."""
     n = _blocks(t, block)
     total = 0
     for i in range(n):
@@ -476,51 +484,65 @@ def _tiles(t, block, window=None):
     return total
 
 
-def _counts(*, skip="ok", window_blocks=None, score_passes=4, io=True, kv_once=False, lse=True):
-    s = COUNT_SIZES
-    T, D, bq = s["T_traffic"], s["D"], s["block_q"]
-    causal = {"ok": _tiles(s["T"], s["block"]), "none": _blocks(s["T"], s["block"]) ** 2,
-              "strict": _tiles(s["T"], s["block"]) - _blocks(s["T"], s["block"])}[skip]
-    if window_blocks is None:
-        window = _tiles(s["T"], s["block"], s["W"])
+def _counts(T, block, W, D, *, skip="ok", window_blocks=None, score_passes=4, io=True,
+            kv_once=False, lse=True, floor=None):
+    """The four counts, or one typical mistake's: ``skip`` "none" (every tile) or "strict" (no
+    diagonal tile); ``window_blocks(W, block)``: the key blocks per query block, taken as
+    min(i + 1, that); ``score_passes`` over the T x T matrix; ``io=False`` leaves out Q, K, V
+    and O; ``kv_once`` reads K and V once; ``lse=False`` leaves out the log-sum-exps;
+    ``floor`` counts whole blocks only, T // block, for the tiles and for the tiled traffic
+    ("formula": 2TD + (T // block)·2TD + T, "per_block": (T // block) blocks of block rows)."""
+    n = T // block if floor else _blocks(T, block)
+    causal = {"ok": n * (n + 1) // 2, "none": n * n, "strict": n * (n - 1) // 2}[skip]
+    if window_blocks is not None:
+        window = sum(min(i + 1, window_blocks(W, block)) for i in range(n))
     else:
-        n = _blocks(s["T"], s["block"])
-        window = sum(min(i + 1, window_blocks) for i in range(n))
+        window = _tiles(n * block if floor else T, block, W)
     standard = score_passes * T * T + (4 * T * D if io else 0)
-    kv_reads = 2 * T * D if kv_once else _blocks(T, bq) * 2 * T * D
-    tiled = T * D + kv_reads + T * D + (T if lse else 0)
+    kv_reads = 2 * T * D if kv_once else n * 2 * T * D
+    if floor == "per_block":
+        tiled = n * (block * D + 2 * T * D + block * D + block)
+    else:
+        tiled = T * D + kv_reads + T * D + (T if lse else 0)
     return {"causal_tiles": causal, "window_tiles": window, "standard_elements": standard,
             "tiled_elements": tiled}
 
 
-def flash_counts_reference():
-    """The four counts, from the rules of the chapter (computed here, not typed in)."""
-    return _counts()
+def flash_counts_reference(T, block, W, D):
+    """The four counts for a causal T x T table in square tiles of ``block`` (query blocks of
+    ``block`` rows for the traffic), a window of W keys and heads of D: the tiles counted one by
+    one from the positions they cover, the traffic from the chapter's rules."""
+    return _counts(T, block, W, D)
 
 
 COUNTS = count_questions(COUNT_QUESTIONS)
 
 
-def _answering(**wrong):
-    """A typical wrong answer: the right counts with these ones changed."""
-    return lambda: {**flash_counts_reference(), **wrong}
-
-
 def _with(key, **rule):
-    return _answering(**{key: _counts(**rule)[key]})
+    """A typical wrong answer: the right counts, with ``key`` counted by ``rule``."""
+    return lambda T, block, W, D: {**flash_counts_reference(T, block, W, D),
+                                   key: _counts(T, block, W, D, **rule)[key]}
 
+
+FLOOR = ("you counted whole blocks only (T // block): a partial last block holds queries and "
+         "keys too, so its tiles are computed and it reads every key and value")
 
 register(Exercise(
     key="ch09.flash_counts", function="flash_counts", reference=flash_counts_reference,
-    cases=COUNTS.cases, compare=COUNTS.compare, banned=("course_attn",),
+    cases=lambda: COUNTS.cases(COUNT_SIZES, MORE_COUNT_SIZES), compare=COUNTS.compare,
+    banned=("course_attn",),
     mistakes=(
         Mistake("you counted every tile: a causal forward skips the tiles entirely above the "
                 "diagonal", _with("causal_tiles", skip="none")),
         Mistake("you skipped the diagonal tiles: they hold the pairs of each query with itself "
                 "and are computed", _with("causal_tiles", skip="strict")),
-        Mistake("you counted W / 64 key blocks per query block: a window that does not start on "
-                "a block boundary straddles one key block more",
-                _with("window_tiles", window_blocks=COUNT_SIZES["W"] // COUNT_SIZES["block"])),
+        Mistake("you counted W // block key blocks per query block: a window that does not "
+                "start on a block boundary straddles one key block more",
+                _with("window_tiles", window_blocks=lambda W, block: W // block)),
+        Mistake("you counted W // block + 1 key blocks per query block: when W is not a "
+                "multiple of the block, the W - 1 keys before a block's first query may start "
+                "inside a key block that this count leaves out",
+                _with("window_tiles", window_blocks=lambda W, block: W // block + 1)),
         Mistake("you counted the T x T matrix fewer than four times: S is written and read, "
                 "then P is written and read", _with("standard_elements", score_passes=2)),
         Mistake("you left out the reads of Q, K, V and the write of O",
@@ -529,5 +551,7 @@ register(Exercise(
                 _with("tiled_elements", kv_once=True)),
         Mistake("you left out the log-sum-exp that the forward writes for the backward",
                 _with("tiled_elements", lse=False)),
+        *(Mistake(FLOOR, lambda T, block, W, D, form=form: _counts(T, block, W, D, floor=form))
+          for form in ("formula", "per_block")),
     ),
 ))

@@ -9,14 +9,14 @@
     ch10.chunk_step       chunk_step(fq, fk, v, s, z) -> (out, s, z): one chunk of the chunked
                           form: the carry (s, z) of the chunks before, plus the causal
                           (masked) products inside the chunk; then the carry after it
-    ch10.linear_costs     linear_costs() -> dict: multiply-adds of the two orders of the
-                          product, the length where they cross, and the bytes of a KV cache
-                          against the state of linear attention (derive: compared with the
-                          formulas, computed)
+    ch10.linear_costs     linear_costs(T, D, features, L, H, nbytes) -> dict: multiply-adds of
+                          the two orders of the product, the length where they cross, and the
+                          bytes of a KV cache against the state of linear attention (derive,
+                          on sizes drawn at grading time)
 
 References: ``course_attn.linear.elu_features``; ``course_attn.linear.LinearAttentionState``
 (``add`` then ``read``), token by token, for both steps; the counts from T²(D' + Dv) and
-2·T·D'·Dv, and the sizes 2·L·H·T·D and L·H·(D'·Dv + D').
+2·T·D'·Dv, and the sizes 2·L·H·T·D·nbytes and L·H·(D'·Dv + D')·nbytes.
 """
 
 import torch
@@ -231,91 +231,106 @@ register(Exercise(
 
 # --- ch10.linear_costs: the two orders of the product, and the memory of decoding ---------------
 
-# Llama 2 7B (Touvron et al. 2023, the released configuration): 32 layers, 32 heads of
-# dimension 128 (no grouped-query attention), a context of 4096 tokens. Inputs, not measurements.
-LLAMA2_7B = {"n_layers": 32, "n_heads": 32, "head_dim": 128, "context": 4096}
-COST_SIZES = {"T": 4096, "performer_features": 256, "bytes_per_value": 2}
+# The chapter's sizes: Llama 2 7B (Touvron et al. 2023, the released configuration), 32 layers,
+# 32 heads of dimension 128 (no grouped-query attention), a context of 4096 tokens, bf16, and
+# 256 Performer features. Inputs, not measurements. Then sizes where the two orders cross
+# exactly on a whole number (2·192·64 / (192 + 64) = 96), so that every typical mistake below
+# gives a wrong answer on some case.
+COST_SIZES = dict(T=4096, D=128, features=256, L=32, H=32, nbytes=2)
+MORE_COST_SIZES = dict(T=1000, D=64, features=192, L=24, H=16, nbytes=4)
 
 COST_QUESTIONS = {
     "quadratic_macs": (
-        "(a) multiply-adds of (φ(Q) φ(K)ᵀ) V, one head, T=4096, D'=Dv=128",
+        "(a) multiply-adds of (φ(Q) φ(K)ᵀ) V, one head, D' = Dv = D",
         "count both products: the (T, D') by (D', T) one gives the T×T weights, then the "
         "(T, T) by (T, Dv) one"),
     "linear_macs": (
-        "(b) multiply-adds of φ(Q) (φ(K)ᵀ V), one head, T=4096, D'=Dv=128",
+        "(b) multiply-adds of φ(Q) (φ(K)ᵀ V), one head, D' = Dv = D",
         "count both products: φ(K)ᵀ V is (D', T) by (T, Dv), then φ(Q) times that (D', Dv) "
         "matrix"),
     "crossover_length": (
-        "(c) the smallest T for which φ(Q) (φ(K)ᵀ V) costs fewer multiply-adds, with "
-        "D'=256 Performer features and Dv=128",
+        "(c) the smallest T for which φ(Q) (φ(K)ᵀ V) costs fewer multiply-adds, D' = features, "
+        "Dv = D",
         "set the two counts equal and solve for T, with D' != Dv; then the first whole T past "
         "it"),
     "kv_cache_bytes": (
-        "(d) bytes of the KV cache of one sequence of T=4096 tokens, all layers, 2 bytes per "
-        "number",
-        "keys and values, in every layer and every head, one D-vector each per token"),
+        "(d) bytes of the KV cache of one sequence of T tokens, all layers",
+        "keys and values, in every layer and every head, one D-vector each per token, nbytes "
+        "bytes per number"),
     "state_bytes": (
-        "(e) bytes of the state of linear attention (elu features, D'=D) for one sequence, all "
-        "layers, 2 bytes per number",
+        "(e) bytes of the state of linear attention (elu features, D' = D) for one sequence, "
+        "all layers",
         "per head and layer the state is s (D', Dv) and z (D'), whatever the length"),
 }
 
 
-def _costs(**rule):
-    c, t = LLAMA2_7B, COST_SIZES["T"]
-    L, H, D = c["n_layers"], c["n_heads"], c["head_dim"]
-    nbytes = rule.get("bytes", COST_SIZES["bytes_per_value"])
-    m = COST_SIZES["performer_features"]
+def _costs(T, D, features, L, H, nbytes, **rule):
+    """The five answers, or a typical mistake's: ``rule`` "numbers" (counted as numbers, not
+    bytes), "kv_tensors" (1: the keys only), "no_z", "state_per_token"."""
     def quadratic(t, d, dv):
         return t * t * (d + dv)
 
     def linear(t, d, dv):
         return 2 * t * d * dv
-    crossover = 1
-    while linear(crossover, m, D) >= quadratic(crossover, m, D):
+    crossover = 1                            # the first T where the linear order is cheaper
+    while linear(crossover, features, D) >= quadratic(crossover, features, D):
         crossover += 1
-    kv = rule.get("kv_tensors", 2) * L * H * t * D * nbytes
+    nbytes = 1 if rule.get("numbers") else nbytes
+    kv = rule.get("kv_tensors", 2) * L * H * T * D * nbytes
     state = L * H * (D * D + (0 if rule.get("no_z") else D)) * nbytes
-    return {"quadratic_macs": quadratic(t, D, D), "linear_macs": linear(t, D, D),
+    return {"quadratic_macs": quadratic(T, D, D), "linear_macs": linear(T, D, D),
             "crossover_length": crossover, "kv_cache_bytes": kv,
-            "state_bytes": state * (t if rule.get("state_per_token") else 1)}
+            "state_bytes": state * (T if rule.get("state_per_token") else 1)}
 
 
-def linear_costs_reference():
-    """The five answers, from T²(D' + Dv), 2·T·D'·Dv, 2·L·H·T·D and L·H·(D'·Dv + D')."""
-    return _costs()
+def linear_costs_reference(T, D, features, L, H, nbytes):
+    """The five answers for T tokens, heads of D (D' = Dv = D with elu features), Performer's
+    ``features``, L layers of H heads and ``nbytes`` bytes per number: T²(D' + Dv), 2·T·D'·Dv,
+    the first T where the second is smaller (found by counting up), 2·L·H·T·D·nbytes and
+    L·H·(D'·Dv + D')·nbytes."""
+    return _costs(T, D, features, L, H, nbytes)
 
 
-COSTS = count_questions(COST_QUESTIONS, rel_tol=1e-12, direction_only=("crossover_length",),
-                        near_miss=True)
+COSTS = count_questions(COST_QUESTIONS, rel_tol=1e-12, near_miss=True)
 
 
 def _answering(**wrong):
-    return lambda: {**linear_costs_reference(), **wrong}
+    """A typical wrong answer: the right ones, with these keys computed by these rules (from
+    the sizes, and F = features)."""
+    def fn(T, D, features, L, H, nbytes):
+        sizes = dict(T=T, D=D, F=features, L=L, H=H, nbytes=nbytes)
+        return {**linear_costs_reference(T, D, features, L, H, nbytes),
+                **{key: rule(**sizes) for key, rule in wrong.items()}}
+    return fn
 
 
-_T, _D = COST_SIZES["T"], LLAMA2_7B["head_dim"]
+def _costs_with(**rule):
+    return lambda T, D, features, L, H, nbytes: _costs(T, D, features, L, H, nbytes, **rule)
 
 
 register(Exercise(
     key="ch10.linear_costs", function="linear_costs", reference=linear_costs_reference,
-    cases=COSTS.cases, compare=COSTS.compare, banned=("course_attn",),
+    cases=lambda: COSTS.cases(COST_SIZES, MORE_COST_SIZES), compare=COSTS.compare,
+    banned=("course_attn",),
     mistakes=(
         Mistake("you counted only the scores φ(Q) φ(K)ᵀ: the weights still multiply V, another "
-                "T·T·Dv", _answering(quadratic_macs=_T * _T * _D)),
+                "T·T·Dv", _answering(quadratic_macs=lambda T, D, **_: T * T * D)),
         Mistake("you counted only φ(K)ᵀ V: reading it with φ(Q) is a second product of the same "
-                "size", _answering(linear_macs=_T * _D * _D)),
-        Mistake("you solved with D' = Dv: Performer's features are wider than the values, "
-                "D' = 256", _answering(crossover_length=129)),
+                "size", _answering(linear_macs=lambda T, D, **_: T * D * D)),
+        Mistake("you solved with D' = Dv = D: in (c) the features are `features` wide, D' != "
+                "Dv", _answering(crossover_length=lambda D, **_: D + 1)),
         Mistake("you stopped at the crossing itself: the answer is the first whole T past it, "
-                "where the linear order is strictly cheaper", _answering(crossover_length=170)),
+                "where the linear order is strictly cheaper",
+                _answering(crossover_length=lambda D, F, **_: 2 * F * D // (F + D))),
         Mistake("you counted the keys only: the cache holds the values too, as many again",
-                _answering(kv_cache_bytes=_costs(kv_tensors=1)["kv_cache_bytes"])),
-        Mistake("you counted 4 bytes per number: the question says 2 (bf16)",
-                lambda: _costs(bytes=4)),
+                _costs_with(kv_tensors=1)),
+        *(Mistake("you counted numbers, not bytes: each number takes nbytes bytes", fn)
+          for fn in (_costs_with(numbers=True),
+                     _answering(kv_cache_bytes=lambda T, D, L, H, **_: 2 * L * H * T * D),
+                     _answering(state_bytes=lambda D, L, H, **_: L * H * (D * D + D)))),
         Mistake("you left out z: the state is s (D', Dv) and the normaliser's z (D')",
-                lambda: _costs(no_z=True)),
+                _costs_with(no_z=True)),
         Mistake("your state grows with the length: s and z have the same size after 1 token or "
-                "4096", lambda: _costs(state_per_token=True)),
+                "T", _costs_with(state_per_token=True)),
     ),
 ))

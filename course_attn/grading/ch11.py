@@ -10,9 +10,9 @@
     ch11.local_attention_block  local_attention_block(q, k, v, start, window) -> (B, H, Tb, Dv):
                                 one block of queries, at positions start .. start + Tb - 1,
                                 against only the keys in its reach
-    ch11.window_budget          window_budget() -> dict: receptive field, layers needed, scored
-                                pairs and rolling-cache bytes for Mistral 7B's configuration
-                                (derive: compared with the formulas, computed)
+    ch11.window_budget          window_budget(T, W, L, H, H_kv, D, nbytes) -> dict: receptive
+                                field, layers needed, scored pairs and rolling-cache bytes of a
+                                sliding window of W keys (derive, on sizes drawn at grading time)
 
 References: ``course_attn.sliding_window_mask``; the rolling-buffer rule below;
 ``course_attn.scaled_dot_product_attention(..., is_causal=True, window=W)`` on the keys in reach;
@@ -252,13 +252,15 @@ register(Exercise(
 ))
 
 
-# --- ch11.window_budget: reach, layers, pairs and memory of Mistral 7B ---------------------------
+# --- ch11.window_budget: reach, layers, pairs and memory of a sliding window --------------------
 
-# Mistral 7B (Jiang et al. 2023, Table 1, and the released params.json of v0.1): 32 layers,
-# 8 key/value heads of dimension 128 (32 query heads), a sliding window of 4096 tokens.
-# These are inputs, not measurements.
-MISTRAL_7B = {"n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "window": 4096}
-BUDGET_SIZES = {"T": 16384, "bytes_per_value": 2}
+# The chapter's sizes: Mistral 7B (Jiang et al. 2023, Table 1, and the released params.json of
+# v0.1): 32 layers, 32 query heads and 8 key/value heads of dimension 128, a sliding window of
+# 4096 tokens; a sequence of 16384 tokens, 2 bytes per number. Inputs, not measurements. Then
+# a smaller model whose layers reach position 0 exactly (2998 - 1 = 3 · (1000 - 1)), with
+# multi-query attention, in float32.
+BUDGET_SIZES = dict(T=16384, W=4096, L=32, H=32, H_kv=8, D=128, nbytes=2)
+MORE_BUDGET_SIZES = dict(T=2998, W=1000, L=24, H=16, H_kv=1, D=64, nbytes=4)
 
 BUDGET_QUESTIONS = {
     "reach": (
@@ -266,67 +268,100 @@ BUDGET_QUESTIONS = {
         "count how far back one layer reaches from a position (a query sees W keys, its own "
         "among them), then chain the layers: the second starts from the first one's oldest"),
     "layers_to_cover": (
-        "(b) the fewest layers that let the last of T=16384 positions depend on the first",
-        "find the smallest L whose reach covers all T positions: the reach of L layers is "
-        "not L·W"),
+        "(b) the fewest layers that let the last of T positions depend on the first",
+        "find the smallest number of layers whose reach covers all T positions: the reach of "
+        "L layers is not L·W"),
     "pairs": (
-        "(c) (query, key) pairs scored by one head of one layer, T=16384",
+        "(c) (query, key) pairs scored by one head of one layer",
         "sum over the queries the number of keys each sees: the first W - 1 queries see fewer "
         "than W"),
     "cache_bytes": (
-        "(d) bytes of the rolling KV cache of one sequence, all layers, 2 bytes per number",
-        "keys and values, in every layer, for the key/value heads only, W positions each"),
+        "(d) bytes of the rolling KV cache of one sequence, all layers",
+        "keys and values, in every layer, for the key/value heads only, W positions each, "
+        "nbytes bytes per number"),
 }
 
 
-def _budget(**rule):
-    c, t = MISTRAL_7B, BUDGET_SIZES["T"]
-    L, W = c["n_layers"], c["window"]
-    per_layer = rule.get("per_layer", W - 1)
-    reach = rule.get("reach_fn", lambda L: L * per_layer + 1)
+def _pairs(T, W):
+    """The sum over queries i < T of min(i + 1, W): the first W queries see 1, 2, .., W keys,
+    every later one W."""
+    first = min(T, W)
+    return first * (first + 1) // 2 + (T - first) * W
+
+
+def _budget(T, W, L, H, H_kv, D, nbytes, **rule):
+    """The four answers, or a typical mistake's: ``rule`` "reach_fn" (layers -> their reach),
+    "query_heads" (the cache sized for H), "keys_only"."""
+    if W < 2:
+        raise ValueError(f"a window of W={W} key never reaches back; W must be >= 2")
+    reach = rule.get("reach_fn", lambda layers: layers * (W - 1) + 1)
     layers = 1
-    while reach(layers) < t:
+    while reach(layers) < T:
         layers += 1
-    heads = c["n_heads"] if rule.get("query_heads") else c["n_kv_heads"]
+    heads = H if rule.get("query_heads") else H_kv
     tensors = 1 if rule.get("keys_only") else 2
     return {"reach": reach(L), "layers_to_cover": layers,
-            "pairs": rule.get("pairs", sum(min(i + 1, W) for i in range(t))),
-            "cache_bytes": tensors * L * heads * c["head_dim"] * W
-            * BUDGET_SIZES["bytes_per_value"]}
+            "pairs": _pairs(T, W),
+            "cache_bytes": tensors * L * heads * D * W * nbytes}
 
 
-def window_budget_reference():
-    """The four answers, from the reach L·(W - 1) + 1 and the sum of min(i + 1, W)."""
-    return _budget()
+def window_budget_reference(T, W, L, H, H_kv, D, nbytes):
+    """The four answers for T tokens, a window of W keys, L layers of H query heads and H_kv
+    key/value heads of dimension D, nbytes bytes per number: the reach L·(W - 1) + 1, the
+    first number of layers whose reach is at least T (counted up), the sum of min(i + 1, W)
+    over the queries (in closed form), and 2·L·H_kv·D·W·nbytes."""
+    return _budget(T, W, L, H, H_kv, D, nbytes)
 
 
-BUDGET = count_questions(BUDGET_QUESTIONS, rel_tol=1e-12, direction_only=("layers_to_cover",),
-                         near_miss=True)
+BUDGET = count_questions(BUDGET_QUESTIONS, rel_tol=1e-12, near_miss=True)
+
+
+def _budget_with(**rule):
+    """A typical wrong answer: ``_budget`` with ``rule``."""
+    return lambda T, W, L, H, H_kv, D, nbytes: _budget(T, W, L, H, H_kv, D, nbytes, **rule)
+
+
+def _chained(reach_of_w, keys):
+    """A typical wrong answer: the right ones, with ``keys`` (of "reach" and "layers_to_cover")
+    computed from a wrong reach of L layers, ``reach_of_w(W)(L)``."""
+    def fn(T, W, L, H, H_kv, D, nbytes):
+        wrong = _budget(T, W, L, H, H_kv, D, nbytes, reach_fn=reach_of_w(W))
+        return {**window_budget_reference(T, W, L, H, H_kv, D, nbytes),
+                **{key: wrong[key] for key in keys}}
+    return fn
 
 
 def _answering(**wrong):
-    return lambda: {**window_budget_reference(), **wrong}
+    """A typical wrong answer: the right ones, with these keys computed by these rules."""
+    def fn(T, W, L, H, H_kv, D, nbytes):
+        return {**window_budget_reference(T, W, L, H, H_kv, D, nbytes),
+                **{key: rule(T=T, W=W, L=L) for key, rule in wrong.items()}}
+    return fn
 
-
-_T, _W = BUDGET_SIZES["T"], MISTRAL_7B["window"]
 
 register(Exercise(
     key="ch11.window_budget", function="window_budget", reference=window_budget_reference,
-    cases=BUDGET.cases, compare=BUDGET.compare, banned=("course_attn",),
+    cases=lambda: BUDGET.cases(BUDGET_SIZES, MORE_BUDGET_SIZES), compare=BUDGET.compare,
+    banned=("course_attn",),
     mistakes=(
-        Mistake("you counted W new positions per layer: a layer reaches W - 1 positions back "
-                "beyond the one it starts from", lambda: _budget(reach_fn=lambda L: L * _W)),
-        Mistake("you left out the position itself: L layers reach L·(W - 1) positions back, "
-                "plus the one they start from", _answering(reach=32 * (_W - 1))),
+        *(Mistake("you counted W new positions per layer: a layer reaches W - 1 positions "
+                  "back beyond the one it starts from",
+                  _chained(lambda W: lambda layers: layers * W, keys))
+          for keys in (("reach", "layers_to_cover"), ("reach",), ("layers_to_cover",))),
+        *(Mistake("you left out the position itself: L layers reach L·(W - 1) positions back, "
+                  "plus the one they start from",
+                  _chained(lambda W: lambda layers: layers * (W - 1), keys))
+          for keys in (("reach", "layers_to_cover"), ("reach",), ("layers_to_cover",))),
         Mistake("you counted one layer only: each layer reaches back from the positions the "
-                "layer below could already see", _answering(reach=_W)),
+                "layer below could already see", _answering(reach=lambda T, W, L: W)),
         Mistake("you counted W keys for every query: the first W - 1 queries have fewer keys "
-                "before them", _answering(pairs=_T * _W)),
+                "before them", _answering(pairs=lambda T, W, L: T * W)),
         Mistake("you counted full causal attention: with the window, a query sees at most W "
-                "keys", _answering(pairs=_T * (_T + 1) // 2)),
+                "keys", _answering(pairs=lambda T, W, L: T * (T + 1) // 2)),
         Mistake("you sized the cache for the query heads: with grouped-query attention only "
-                "the key/value heads are cached", lambda: _budget(query_heads=True)),
+                "the key/value heads are cached",
+                _budget_with(query_heads=True)),
         Mistake("you counted the keys only: the cache holds the values too",
-                lambda: _budget(keys_only=True)),
+                _budget_with(keys_only=True)),
     ),
 ))

@@ -107,6 +107,7 @@ class Exercise:
 
 _EXERCISES: dict[str, Exercise] = {}
 _HIDDEN: dict[str, Callable[[torch.Generator], Iterable[Case]]] = {}
+_REGIMES: dict[str, dict[str, Callable[[Case], bool]]] = {}
 
 
 def validate_key(key: str) -> str:
@@ -134,13 +135,26 @@ def register(exercise: Exercise) -> Exercise:
     return exercise
 
 
-def hidden(key: str):
-    """Decorator for ``solutions/hidden/chNN.py``: ``@hidden("ch03.causal_mask")`` registers a
-    generator ``(torch.Generator) -> cases``."""
+def hidden(key: str, regimes: Mapping[str, Callable[[Case], bool]] | None = None):
+    """Decorator for ``solutions/hidden/chNN.py``: ``@hidden("ch03.causal_mask", regimes=...)``
+    registers a generator ``(torch.Generator) -> cases``.
+
+    ``regimes``: the regions of the exercise's inputs that its hidden cases sample, by name,
+    each a predicate on a case (``"Tq > Tk + 1": lambda case: case.args[0] > case.args[1] +
+    1``). A hidden set is a sample of the inputs, so it is drawn by regime, not by range: the
+    generator draws at least one case inside every regime on every seed (the random part
+    inside the regime), and ``tests/test_hidden_regimes.py`` proves it for seeds 0-99, and
+    that an answer wrong in one regime only fails there."""
     def decorate(make: Callable[[torch.Generator], Iterable[Case]]):
         _HIDDEN[validate_key(key)] = make
+        _REGIMES[key] = dict(regimes or {})
         return make
     return decorate
+
+
+def hidden_regimes(key: str) -> dict[str, Callable[[Case], bool]]:
+    """The regimes ``key``'s hidden cases declare (see ``hidden``); {} if none."""
+    return dict(_REGIMES.get(key, {}))
 
 
 def get(key: str) -> Exercise:

@@ -4,6 +4,7 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint, randn
+from course_attn.grading.ch04 import COSTS
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -39,5 +40,20 @@ def _(gen):
         yield Case(f"B={b}, T={t}, C={c}, H={h}, causal={causal}", (x, *weights, h, causal))
 
 
-# ch04.mha_cost has no hidden cases: it asks for fixed counts (no inputs), and its one public
-# case per count already says only whether the count is right, never what it is.
+@hidden("ch04.mha_cost")
+def _(gen):
+    """One set of sizes in each regime, H >= 2 and H dividing C. Every typical mistake of the
+    exercise differs from the right count when H > 1, D != T and C != T, which each regime
+    keeps by its ranges (no size is drawn and then fixed up):
+    - a short sequence, T < D (a prompt through wide heads): D in [16, 128], T in [1, D - 1];
+    - D < T < C, below the crossover T = 2C (the projections cost more than the attention):
+      D in [2, 64], T in [D + 1, C - 1];
+    - a long sequence, T > 2C (the attention costs more than the projections): D in [1, 32],
+      T in [2C + 1, 16C]."""
+    h, d = randint(2, 16, gen), randint(16, 128, gen)
+    sizes = [dict(C=h * d, H=h, T=randint(1, d - 1, gen))]
+    h, d = randint(2, 16, gen), randint(2, 64, gen)
+    sizes.append(dict(C=h * d, H=h, T=randint(d + 1, h * d - 1, gen)))
+    h, d = randint(2, 16, gen), randint(1, 32, gen)
+    sizes.append(dict(C=h * d, H=h, T=randint(2 * h * d + 1, 16 * h * d, gen)))
+    yield from COSTS.cases(*sizes)

@@ -4,6 +4,7 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint, randn
+from course_attn.grading.ch06 import LIMITS
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -42,5 +43,51 @@ def _(gen):
                (randn(*shape, seed=gen, scale=cap / 4, dtype=torch.float64), cap))
 
 
-# ch06.qk_norm_limits has no hidden cases: it asks for fixed answers (no inputs), and its one
-# public case per answer already says only whether the answer is right, never what it is.
+# ch06.qk_norm_limits: one set of sizes, gains and a target weight in each of three regimes, on
+# every seed:
+#   1. small heads, a few hundred keys: D 4..8, T 16..250, weight 0.60..0.95 (here a key
+#      counted too many changes the largest weight by more than 0.1%);
+#   2. heads of real models, few keys: D 32..128, T 8..64, weight 0.50..0.90 (here the gain
+#      the weight needs is at most 0.75, far from its square);
+#   3. middling heads, a long context: D 10..30, T 1000..100000, weight 0.50..0.95.
+# The gains, in hundredths: every channel 0.20..1.00 in size with a random sign, except three
+# channels drawn at random: one with q's largest gain (1.60..2.00, its k gain 0.20..0.50), one
+# with k's largest (the same, the other way round), and one whose product is the largest in
+# size and negative (1.10..1.40 each, opposite signs). So the largest |g^Q_i g^K_i| (1.21..1.96)
+# is never the largest q gain times the largest k gain (2.56 or more), nor the largest signed
+# product (1.00 or less).
+_LIMIT_REGIMES = (
+    # (name, D range, T range, weight range in hundredths)
+    ("small heads, a few hundred keys", (4, 8), (16, 250), (60, 95)),
+    ("heads of real models, few keys", (32, 128), (8, 64), (50, 90)),
+    ("middling heads, a long context", (10, 30), (1000, 100_000), (50, 95)),
+)
+
+
+def _hundredths(low, high, gen):
+    return randint(low, high, gen) / 100
+
+
+def _sign(gen):
+    return 1 if randint(0, 1, gen) else -1
+
+
+def _gains(d, gen):
+    """q_gain and k_gain: the three planted channels, then d - 3 ordinary ones, in an order drawn
+    at random."""
+    sign = _sign(gen)
+    pairs = [(_sign(gen) * _hundredths(160, 200, gen), _sign(gen) * _hundredths(20, 50, gen)),
+             (_sign(gen) * _hundredths(20, 50, gen), _sign(gen) * _hundredths(160, 200, gen)),
+             (sign * _hundredths(110, 140, gen), -sign * _hundredths(110, 140, gen))]
+    pairs += [(_sign(gen) * _hundredths(20, 100, gen), _sign(gen) * _hundredths(20, 100, gen))
+              for _ in range(d - 3)]
+    order = torch.randperm(d, generator=gen).tolist()
+    return [pairs[i][0] for i in order], [pairs[i][1] for i in order]
+
+
+@hidden("ch06.qk_norm_limits")
+def _(gen):
+    for _name, dims, keys, weights in _LIMIT_REGIMES:
+        d, t, weight = randint(*dims, gen), randint(*keys, gen), _hundredths(*weights, gen)
+        q_gain, k_gain = _gains(d, gen)
+        yield from LIMITS.cases(dict(D=d, T=t, q_gain=q_gain, k_gain=k_gain, weight=weight))

@@ -4,6 +4,7 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint, randn
+from course_attn.grading.ch07 import ANSWERS
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -49,5 +50,41 @@ def _(gen):
     yield Case(f"MHA (no num_key_value_heads), {heads} heads, {layers} layers", (mha, tokens))
 
 
-# ch07.cache_questions has no hidden cases: it asks for fixed answers (no inputs), and its one
-# public case per answer already says only whether the answer is right, never what it is.
+# ch07.cache_questions: one model of each regime on every seed, its sizes drawn inside it.
+#   GQA: 2 <= kv_heads <= 8 KV heads, groups of g = heads / kv_heads >= 2 query heads with
+#        g != kv_heads (else dividing the wrong way round would be right), query_head drawn
+#        among the heads where neither tiling nor the wrong way round gives its KV head, and a
+#        cache of 1 or 2 bytes a number (fp8, bf16/fp16: float32's 4 bytes would be wrong);
+#   MQA: one KV head for 4..96 query heads, 1, 2 or 4 bytes a number;
+#   MHA: as many KV heads as query heads (4..64), 1, 2 or 4 bytes a number.
+# In MQA and MHA query_head >= 1 (query head 0 reads KV head 0 whichever way one divides). The
+# memory is large enough that at least a few thousand tokens fit, so the 7% between 2³⁰ and
+# 10⁹ bytes a GiB always shows; MLA's latent and RoPE key are drawn in every regime.
+
+def _mla(gen):
+    return dict(latent_dim=64 * randint(2, 10, gen), rope_dim=16 * randint(1, 6, gen))
+
+
+@hidden("ch07.cache_questions")
+def _(gen):
+    kv_heads = randint(2, 8, gen)
+    group = randint(2, 7, gen)
+    group += group >= kv_heads                                  # 2..8, never kv_heads
+    heads = kv_heads * group
+    telling = [h for h in range(heads)
+               if h % kv_heads != h // group and h // kv_heads != h // group]
+    gqa = dict(layers=randint(8, 96, gen), heads=heads, kv_heads=kv_heads,
+               head_dim=32 * randint(2, 8, gen), bytes_per_element=randint(1, 2, gen),
+               query_head=telling[randint(0, len(telling) - 1, gen)],
+               cache_gib=randint(4, 192, gen), **_mla(gen))
+    heads = randint(4, 96, gen)
+    mqa = dict(layers=randint(8, 96, gen), heads=heads, kv_heads=1,
+               head_dim=32 * randint(2, 8, gen), bytes_per_element=(1, 2, 4)[randint(0, 2, gen)],
+               query_head=randint(1, heads - 1, gen), cache_gib=randint(4, 192, gen),
+               **_mla(gen))
+    heads = randint(4, 64, gen)
+    mha = dict(layers=randint(8, 64, gen), heads=heads, kv_heads=heads,
+               head_dim=32 * randint(2, 4, gen), bytes_per_element=(1, 2, 4)[randint(0, 2, gen)],
+               query_head=randint(1, heads - 1, gen), cache_gib=randint(32, 192, gen),
+               **_mla(gen))
+    yield from ANSWERS.cases(gqa, mqa, mha)

@@ -4,7 +4,7 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint
-from course_attn.grading.ch08 import _chunks, _step_case
+from course_attn.grading.ch08 import SAVINGS, _chunks, _step_case
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -33,5 +33,26 @@ def _(gen):
                      d, d, extra, gen, "", dtype=torch.float64)
 
 
-# ch08.decode_savings has no hidden cases: it asks for fixed answers (no inputs), and its one
-# public case per answer already says only how far off an answer is, never what it is.
+# ch08.decode_savings: one set of sizes in each regime on every seed, drawn inside it. The
+# crossover is the length T* = 6C + V / (2L) where a token's attention in an uncached step,
+# 2·L·T·C, equals the rest of its work, L·12·C² + C·V.
+#   prefill-heavy: T below the crossover (the products and the LM head dominate), a prompt
+#                  longer than the answer (N < P);
+#   decode-heavy:  T above the crossover (the attention dominates), a short prompt and a long
+#                  answer (N > P);
+#   one new token: N = 1, where the cached generation is the prefill alone.
+# Every count is a sum of at most N terms, so the student's arithmetic stays fast.
+
+@hidden("ch08.decode_savings")
+def _(gen):
+    c = 64 * randint(2, 24, gen)
+    p = randint(64, 1024, gen)
+    short = dict(L=randint(2, 48, gen), C=c, V=randint(100, 200_000, gen),
+                 T=randint(2, 6 * c, gen), P=p, N=randint(2, p - 1, gen))
+    layers, c, v = randint(2, 48, gen), 64 * randint(1, 8, gen), randint(16, 4096, gen)
+    p = randint(1, 200, gen)
+    long = dict(L=layers, C=c, V=v, T=6 * c + v // (2 * layers) + randint(1, 4096, gen), P=p,
+                N=randint(p + 1, 2000, gen))
+    single = dict(L=randint(1, 48, gen), C=64 * randint(1, 24, gen), V=randint(16, 200_000, gen),
+                  T=randint(1, 4096, gen), P=randint(1, 2048, gen), N=1)
+    yield from SAVINGS.cases(short, long, single)

@@ -4,7 +4,7 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint, randn
-from course_attn.grading.ch09 import split_states, tile_case
+from course_attn.grading.ch09 import COUNTS, split_states, tile_case
 from course_attn.grading.exercise import Case, hidden
 
 INF = float("-inf")
@@ -78,5 +78,31 @@ def _(gen):
                dict(is_causal=False, window=w))
 
 
-# ch09.flash_counts has no hidden cases: it asks for fixed answers (no inputs), and its one
-# public case per answer says only how far off an answer is, never what it is.
+@hidden("ch09.flash_counts")
+def _(gen):
+    # One set of sizes in each regime, on every seed; blocks are powers of two, the rest is
+    # drawn inside the regime. Every set has at least two blocks (so counting every tile, or
+    # reading K and V once, is wrong) and more query blocks than W // block (so the W // block
+    # rule is wrong), except where the regime says otherwise.
+    # 1. T and W multiples of the block, the window shorter than the sequence (the chapter's).
+    # 2. Neither a multiple: a partial last block, and W mod block >= 2, where W // block + 1
+    #    key blocks per query block is one too few.
+    # 3. A window shorter than a block (2 <= W < block): still two key blocks per query block.
+    # 4. A window at least as long as the sequence: every causal tile, T not a multiple.
+    def head():
+        return 16 * randint(1, 16, gen)
+
+    block = 2 ** randint(4, 7, gen)
+    k = randint(1, 6, gen)
+    sizes = [dict(T=block * randint(k + 2, k + 12, gen), block=block, W=block * k, D=head())]
+    block = 2 ** randint(3, 7, gen)
+    k = randint(1, 5, gen)
+    sizes.append(dict(T=block * randint(k + 2, k + 12, gen) + randint(1, block - 1, gen),
+                      block=block, W=block * k + randint(2, block - 1, gen), D=head()))
+    block = 2 ** randint(3, 7, gen)
+    sizes.append(dict(T=block * randint(2, 20, gen) + randint(0, block - 1, gen), block=block,
+                      W=randint(2, block - 1, gen), D=head()))
+    block = 2 ** randint(3, 7, gen)
+    t = block * randint(2, 16, gen) + randint(1, block - 1, gen)
+    sizes.append(dict(T=t, block=block, W=t + randint(0, t, gen), D=head()))
+    yield from COUNTS.cases(*sizes)

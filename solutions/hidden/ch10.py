@@ -4,7 +4,7 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint, randn
-from course_attn.grading.ch10 import chunk_case, step_case
+from course_attn.grading.ch10 import COSTS, chunk_case, step_case
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -37,3 +37,29 @@ def _(gen):
     yield chunk_case(f"the first chunk of {c}", b, h, c, d, dv, 0, gen)
     yield chunk_case("float64, a chunk of 3 after many tokens", 1, h, 3, d, dv,
                      randint(10, 40, gen), gen, dtype=torch.float64)
+
+
+@hidden("ch10.linear_costs")
+def _(gen):
+    # One set of sizes in each regime, on every seed, the rest drawn at random inside it:
+    # 1. Performer's features wider than the head, F >= D + 3 (at F = D .. D + 2 solving with
+    #    D' = Dv = D would give the right crossing), a context longer than D (past the
+    #    crossover, the linear order cheaper), bf16.
+    # 2. The crossing on a whole number, F = 3D with D even: the two orders tie at T = 3D / 2,
+    #    so the answer is the next T; a context no longer than D (the quadratic order
+    #    cheaper), float32.
+    # 3. Features narrower than the head (F < D), any context, 2 or 4 bytes per number.
+    # Bytes per number are never 1, where counting numbers would be counting bytes; T >= 2,
+    # so a state that grows with the length is wrong.
+    def model():
+        return dict(L=randint(2, 96, gen), H=randint(1, 64, gen))
+
+    d = 16 * randint(2, 16, gen)
+    sizes = [dict(T=randint(d + 1, 32768, gen), D=d, features=randint(d + 3, 4 * d, gen),
+                  **model(), nbytes=2)]
+    d = 2 * randint(8, 128, gen)
+    sizes.append(dict(T=randint(2, d, gen), D=d, features=3 * d, **model(), nbytes=4))
+    d = 16 * randint(2, 16, gen)
+    sizes.append(dict(T=randint(2, 32768, gen), D=d, features=randint(2, d - 1, gen), **model(),
+                      nbytes=2 * randint(1, 2, gen)))
+    yield from COSTS.cases(*sizes)

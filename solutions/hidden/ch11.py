@@ -4,7 +4,7 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint
-from course_attn.grading.ch11 import _block_case
+from course_attn.grading.ch11 import BUDGET, _block_case
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -43,3 +43,32 @@ def _(gen):
                       start, w, d, randint(1, 6, gen), gen, "", poison=True)
     yield _block_case(f"float64, start=1, Tb={tb}, W={w + 3}", 1, 1, t, tb, 1, w + 3, d, d, gen,
                       "", dtype=torch.float64)
+
+
+@hidden("ch11.window_budget")
+def _(gen):
+    # One set of sizes in each regime, on every seed, the rest drawn at random inside it
+    # (W from 16 to 4096, L from 2 to 64, so that one layer or W per layer is wrong):
+    # 1. W divides T, T = k·W with k >= 2: the layers overshoot position 0; grouped-query
+    #    attention (H = g·H_kv, g >= 2).
+    # 2. The layers reach position 0 exactly, T - 1 = k·(W - 1) (W does not divide T), where
+    #    leaving out the position itself needs one layer more; multi-query (H_kv = 1).
+    # 3. T past a multiple of W - 1 and short of the next one: the layers overshoot, T at
+    #    random in between (W divides it only by chance); grouped-query attention.
+    # 4. A sequence no longer than the window: one layer covers it, and every query sees
+    #    every key before it (the full causal count); grouped-query attention.
+    # H != H_kv everywhere, so sizing the cache for the query heads is wrong.
+    def model(h_kv):
+        return dict(L=randint(2, 64, gen), H=h_kv * randint(2, 8, gen), H_kv=h_kv,
+                    D=16 * randint(2, 16, gen), nbytes=2 * randint(1, 2, gen))
+
+    w = randint(16, 4096, gen)
+    sizes = [dict(T=w * randint(2, 8, gen), W=w, **model(randint(2, 8, gen)))]
+    w = randint(16, 4096, gen)
+    sizes.append(dict(T=(w - 1) * randint(2, 8, gen) + 1, W=w, **model(1)))
+    w = randint(16, 4096, gen)
+    sizes.append(dict(T=(w - 1) * randint(1, 7, gen) + 1 + randint(1, w - 2, gen), W=w,
+                      **model(randint(2, 8, gen))))
+    w = randint(16, 4096, gen)
+    sizes.append(dict(T=randint(2, w, gen), W=w, **model(randint(2, 8, gen))))
+    yield from BUDGET.cases(*sizes)
