@@ -271,9 +271,10 @@ def test_after_the_kernel_dies_the_later_exercises_keep_their_points(graded, nam
     entry = graded["by_name"][name]
     assert {gid: e["points"] for gid, e in scores(graded, name).items()} == {
         "ch99-double": 2, "ch99-row_sum": 0, "ch99-normalize": 2, "ch99-count_positive": 3}
-    assert entry["flags"][0] == (f"the kernel {how} in the evaluation of ch99-row_sum; it was "
-                                 "restarted, the cells before it were run again, and grading "
-                                 "went on after it")
+    assert (f"the kernel {how} in the evaluation of ch99-row_sum; it was restarted, the cells "
+            "before it were run again, and grading went on after it") in entry["flags"]
+    # what killed it reached for the machinery around it: a reviewer is pointed at it
+    assert [f for f in entry["flags"] if f.startswith("for review (no points lost): cell 7 ")]
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
@@ -285,7 +286,8 @@ def test_processes_that_a_dead_kernel_left_behind_are_killed(graded):
 def test_forgeries_and_patched_grading_code_are_worth_nothing(graded):
     entry = graded["by_name"]["cheats"]
     assert (entry["total"], entry["max"]) == (0, 10)
-    assert entry["flags"] == []
+    assert entry["flags"] == ["for review (no points lost): cell 13 imports or reaches the "
+                              "grader's package (course_attn.grading)"]
 
 
 def test_memory_bomb_huge_output_duplicate_and_reordered_cells(graded):

@@ -15,7 +15,7 @@ import torch
 import course_attn
 from course_attn import masks
 from course_attn.grading import ExerciseFailed, check, get, run_exercise
-from course_attn.grading.harness import decode, encode
+from course_attn.grading.harness import WireError, decode, encode
 
 
 def own_causal_mask(tq, tk):
@@ -86,14 +86,29 @@ def test_a_wrong_answer_prints_each_failed_case_with_the_hint_that_names_the_mis
     assert "hint: your mask is aligned top-left" in out
 
 
-def test_switching_the_profiler_off_fails_the_check():
+def test_switching_the_guard_off_fails_the_check():
+    from torch.utils._python_dispatch import _pop_mode
+
     def switches_off(tq, tk):
-        sys.setprofile(None)
-        return course_attn.causal_mask(tq, tk)
+        _pop_mode()  # the guard's mode for operations
+        return torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq)
     judgement = run_exercise(get("ch03.causal_mask"), switches_off)
     assert not judgement.passed
-    assert judgement.reason().startswith("switches off the watch for banned calls "
-                                         "(sys.setprofile)")
+    assert judgement.reason().startswith("switches off the check of the operations it runs "
+                                         "(torch's modes popped off their stacks")
+
+
+def test_a_profiler_of_the_students_own_is_no_interference():
+    import cProfile
+
+    def profiled(tq, tk):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            return torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq)
+        finally:
+            profiler.disable()
+    assert run_exercise(get("ch03.causal_mask"), profiled).passed
 
 
 def test_an_argument_changed_in_place_fails_its_case():
@@ -105,14 +120,16 @@ def test_an_argument_changed_in_place_fails_its_case():
     assert any("changed its argument 1 in place" in r.message for r in judgement.results)
 
 
-def test_a_tensor_subclass_that_lies_about_comparisons_is_a_plain_tensor_to_the_grader():
+def test_a_tensor_subclass_that_lies_about_comparisons_is_refused_as_the_grader_refuses_it():
     class AlwaysEqual(torch.Tensor):
         def __ne__(self, other):
             return torch.zeros(self.shape, dtype=torch.bool)
 
-    lie = torch.zeros(2, 2, dtype=torch.bool).as_subclass(AlwaysEqual)
-    exercise = get("ch03.causal_mask")
-    seen_by_the_grader = decode(encode(lie))  # what the kernel sends back
-    assert type(seen_by_the_grader) is torch.Tensor
-    with pytest.raises(AssertionError, match="entries differ"):
-        exercise.compare(seen_by_the_grader, torch.ones(2, 2, dtype=torch.bool), None)
+    def lies(tq, tk):
+        return torch.zeros(tq, tk, dtype=torch.bool).as_subclass(AlwaysEqual)
+
+    with pytest.raises(WireError, match="AlwaysEqual"):
+        encode(lies(2, 2))  # what the kernel would send back: nothing
+    judgement = run_exercise(get("ch03.causal_mask"), lies)
+    assert not judgement.passed
+    assert "not a tensor, number, string or list" in judgement.results[0].message

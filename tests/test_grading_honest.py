@@ -5,7 +5,9 @@ replaced by another correct answer and extra cells added, as students write them
 torch and the standard library (the chapter's own ``from torch.nn.attention.bias import
 causal_lower_right`` among them), ``torch._dynamo``, ``torch.compile``, threads, helper functions
 and classes, plots, progress bars, magics, unicode, very long cells, loops or ``einsum`` instead
-of vectorised code, seeds and changed torch defaults. Issue 8 found the earlier grader taking
+of vectorised code, seeds and changed torch defaults; and (issue 18) a variable named
+``compile``, a cProfile decorator on a correct function, ``torch.compile`` on a helper, and a
+helper module kept beside the notebook. Issue 8 found the earlier grader taking
 such notebooks for tampering (0 of 10 for one import); here every one must score every point of
 its chapter (whatever exercises the chapter has by now) and carry no flag.
 
@@ -96,14 +98,63 @@ MASKED_EINSUM = '''def masked_attention(q, k, v, mask):
     return torch.einsum("bhqk,bhkv->bhqv", weights, v)
 '''
 
-STABLE_SOFTMAX_LOGSUMEXP = '''def stable_softmax(x, dim=-1):
-    """exp(x - logsumexp(x)) in float64, back in x's dtype; an all -inf slice gives zeros."""
+STABLE_SOFTMAX_WIDE = '''def stable_softmax(x, dim=-1):
+    """In float64, back in x's dtype; the max is taken with torch.max, an all -inf slice gives
+    zeros. (torch.logsumexp would be the library's own stable normaliser: not this.)"""
     wide = x.to(torch.float64)
-    lse = torch.logsumexp(wide, dim=dim, keepdim=True)
-    dead = torch.isneginf(lse)
-    out = torch.exp(wide - torch.where(dead, torch.zeros_like(lse), lse))
-    return torch.where(dead, torch.zeros_like(out), out).to(x.dtype)
+    top = torch.max(wide, dim=dim, keepdim=True).values
+    dead = torch.isneginf(top)
+    e = torch.exp(wide - torch.where(dead, torch.zeros_like(top), top))
+    total = e.sum(dim=dim, keepdim=True)
+    return torch.where(dead, torch.zeros_like(e), e / torch.where(dead, 1.0, total)).to(x.dtype)
 '''
+
+A_VARIABLE_NAMED_COMPILE = '''compile = False   # set True to try torch.compile
+exec = print      # and names the grader must never look up: json, globals, getattr
+json = globals = getattr = None
+'''
+
+PROFILED = '''import cProfile
+import functools
+import pstats
+
+def profiled(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            profiler.disable()
+            pstats.Stats(profiler)
+    return wrapper
+
+@profiled
+def causal_mask(tq, tk):
+    return torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq)
+'''
+
+COMPILED_HELPER = '''@torch.compile
+def _scores(q, k):
+    return q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+
+def masked_attention(q, k, v, mask):
+    scores = _scores(q, k).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v
+'''
+
+HELPER_MODULE = '''from my_masks import lower_right   # a file the student keeps beside the notebook
+
+def causal_mask(tq, tk):
+    return lower_right(tq, tk)
+'''
+HELPER_FILE = ("my_masks.py", '''import torch
+
+
+def lower_right(tq, tk):
+    return torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq)
+''')
 
 SCORES_EINSUM = '''def attention_scores(q, k, scale=None):
     if scale is None:
@@ -515,10 +566,17 @@ def corpus() -> dict[str, tuple[Path, dict]]:
             "ch03-causal_mask-solution": FILES_AND_SUBPROCESSES}}),
         "async_code": (CH03, {"after": {"ch03-setup": ASYNC_CODE}}),
         "ch02_other_methods": (CH02, {"replace": {
-            "ch02-stable_softmax-solution": STABLE_SOFTMAX_LOGSUMEXP,
+            "ch02-stable_softmax-solution": STABLE_SOFTMAX_WIDE,
             "ch02-attention_scores-solution": SCORES_EINSUM,
             "ch02-attention-solution": CH02_HELPERS},
             "after": {"ch02-setup": DYNAMO_IMPORTS + "\n" + STDLIB_IMPORTS}}),
+        "a_variable_named_compile": (CH03, {"after": {"ch03-setup": A_VARIABLE_NAMED_COMPILE}}),
+        "a_profiler_on_a_correct_function": (CH03, {"replace": {
+            "ch03-causal_mask-solution": PROFILED}}),
+        "torch_compile_on_a_helper": (CH03, {"replace": {
+            "ch03-masked_attention-solution": COMPILED_HELPER}}),
+        "a_helper_module_beside_the_notebook": (CH03, {"replace": {
+            "ch03-causal_mask-solution": HELPER_MODULE}}),
         "ch01_other_methods": (CH01, {"replace": {
             "ch01-softmax_list-solution": SOFTMAX_LIST_NUMPY,
             "ch01-attend-solution": ATTEND_EINSUM,
@@ -537,6 +595,7 @@ def graded(tmp_path_factory):
     paths = {name: write(edit(solution_notebook(source), **changes),
                          folder / f"{source.name[:3]}{name}.ipynb")
              for name, (source, changes) in CORPUS.items()}
+    (folder / HELPER_FILE[0]).write_text(HELPER_FILE[1])
     grades = grader.grade_notebooks(list(paths.values()), solutions_dir=SOLUTIONS, jobs=2)
     return dict(zip(paths, grades))
 

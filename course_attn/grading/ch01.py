@@ -19,13 +19,9 @@ from ..attention import scaled_dot_product_attention, softmax
 from ..data import induction_targets
 from .cases import expect_close_tensor, expect_float_list, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
+from .operations import ELEMENTARY, NO_LIBRARY_ATTENTION, NO_LIBRARY_SOFTMAX, SOFTMAX
 
 # Shortcuts that would answer the exercise for the student.
-NO_LIBRARY_ATTENTION = ("course_attn", "torch.nn.functional.scaled_dot_product_attention",
-                        "torch.nn.MultiheadAttention.forward",
-                        "torch.nn.functional.multi_head_attention_forward")
-NO_LIBRARY_SOFTMAX = ("torch.softmax", "torch.Tensor.softmax", "torch.nn.functional.softmax",
-                      "torch.special.softmax", "scipy.special.softmax")
 
 
 def softmax_list_reference(scores: list) -> list:
@@ -61,6 +57,7 @@ def _softmax_list_cases():
 
 register(Exercise(
     key="ch01.softmax_list", function="softmax_list", reference=softmax_list_reference,
+    ops=ELEMENTARY,
     cases=_softmax_list_cases, compare=expect_float_list,
     banned=("course_attn",) + NO_LIBRARY_SOFTMAX,
     mistakes=(
@@ -140,6 +137,7 @@ def _soft_lookup_cases():
 
 register(Exercise(
     key="ch01.soft_lookup", function="soft_lookup", reference=soft_lookup_reference,
+    ops=ELEMENTARY,
     cases=_soft_lookup_cases, compare=expect_float_list,
     banned=("course_attn",) + NO_LIBRARY_SOFTMAX + NO_LIBRARY_ATTENTION[1:],
     mistakes=(
@@ -194,6 +192,7 @@ def _attend_cases():
 
 register(Exercise(
     key="ch01.attend", function="attend", reference=attend_reference,
+    ops=ELEMENTARY | SOFTMAX,
     cases=_attend_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
         Mistake("you divide the scores by √D: this chapter's attention does not scale them",
@@ -334,6 +333,7 @@ def _induction_cases():
 
 register(Exercise(
     key="ch01.induction_score", function="induction_score", reference=induction_score_reference,
+    ops=ELEMENTARY | SOFTMAX,
     cases=_induction_cases, compare=expect_close_tensor(1e-5, 1e-7), banned=("course_attn",),
     mistakes=(
         Mistake("you read the weight on the earlier occurrence itself (position j); an induction "

@@ -21,7 +21,7 @@ import torch
 from ..attention import scaled_dot_product_attention, softmax
 from .cases import expect_close_tensor, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
-from .ch01 import NO_LIBRARY_ATTENTION, NO_LIBRARY_SOFTMAX
+from .operations import ELEMENTARY, NO_LIBRARY_ATTENTION, NO_LIBRARY_SOFTMAX, SOFTMAX
 
 
 def attention_scores_reference(q, k, scale=None):
@@ -54,6 +54,7 @@ def _scores_cases():
 
 register(Exercise(
     key="ch02.attention_scores", function="attention_scores",
+    ops=ELEMENTARY | SOFTMAX,
     reference=attention_scores_reference, cases=_scores_cases, compare=expect_tensor,
     banned=NO_LIBRARY_ATTENTION,
     mistakes=(
@@ -140,6 +141,7 @@ def _softmax_cases():
 
 register(Exercise(
     key="ch02.stable_softmax", function="stable_softmax",
+    ops=ELEMENTARY,
     reference=lambda x, dim=-1: softmax(x, dim=dim), cases=_softmax_cases,
     compare=expect_tensor,
     banned=("course_attn",) + NO_LIBRARY_SOFTMAX + ("torch.nn.functional.log_softmax",
@@ -191,6 +193,7 @@ def _attention_cases():
 
 register(Exercise(
     key="ch02.attention", function="attention", reference=attention_reference,
+    ops=ELEMENTARY | SOFTMAX,
     cases=_attention_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
         Mistake("you did not scale the scores by 1/sqrt(D)",
@@ -263,6 +266,7 @@ def _backward_no_keepdim(y, g, dim=-1):
 
 register(Exercise(
     key="ch02.softmax_backward", function="softmax_backward",
+    ops=ELEMENTARY | SOFTMAX,
     reference=softmax_backward_reference, cases=_backward_cases,
     compare=expect_close_tensor(1e-5, 1e-6),
     banned=("course_attn", "torch.autograd.grad", "torch.autograd.backward",
@@ -361,6 +365,7 @@ def _cost_cases():
 
 register(Exercise(
     key="ch02.attention_cost", function="attention_cost", reference=attention_cost_reference,
+    ops=ELEMENTARY,
     cases=_cost_cases, compare=expect_cost, banned=("course_attn",),
     mistakes=(
         # With D == Dv the three ways to get half the FLOPs give the same number: one hint names

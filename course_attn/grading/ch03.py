@@ -26,11 +26,8 @@ from ..attention import scaled_dot_product_attention
 from ..masks import causal_mask, padding_mask
 from .cases import Questions, as_number, expect_tensor, randn, random_mask
 from .exercise import Case, Exercise, Mistake, register
-from .ch01 import NO_LIBRARY_ATTENTION
+from .operations import ELEMENTARY, NONE, NO_LIBRARY_ATTENTION, NO_LIBRARY_MASKS, SOFTMAX
 
-NO_LIBRARY_MASKS = ("course_attn", "torch.nn.attention.bias.causal_lower_right",
-                    "torch.nn.attention.bias.causal_upper_left",
-                    "torch.nn.attention.bias.CausalBias.__init__")
 
 
 def _causal_cases():
@@ -48,6 +45,7 @@ def _causal_cases():
 
 register(Exercise(
     key="ch03.causal_mask", function="causal_mask", reference=causal_mask,
+    ops=ELEMENTARY,
     cases=_causal_cases, compare=expect_tensor, banned=NO_LIBRARY_MASKS,
     mistakes=(
         Mistake("your mask is aligned top-left (query i sees keys 0..i, PyTorch's is_causal); "
@@ -87,6 +85,7 @@ def _padding_cases():
 
 register(Exercise(
     key="ch03.padding_mask", function="padding_mask", reference=padding_mask,
+    ops=ELEMENTARY,
     cases=_padding_cases, compare=expect_tensor, banned=("course_attn",),
     mistakes=(
         Mistake("your mask has shape (B, T): add the two axes of size 1 in the middle, "
@@ -156,6 +155,7 @@ def _masked_cases():
 
 register(Exercise(
     key="ch03.masked_attention", function="masked_attention",
+    ops=ELEMENTARY | SOFTMAX,
     reference=lambda q, k, v, mask: scaled_dot_product_attention(q, k, v, attn_mask=mask),
     cases=_masked_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
@@ -230,6 +230,7 @@ def _document_mistake(rule):
 
 register(Exercise(
     key="ch03.document_mask", function="document_mask", reference=document_mask_reference,
+    ops=ELEMENTARY,
     cases=_document_cases, compare=expect_tensor, banned=NO_LIBRARY_MASKS,
     mistakes=(
         Mistake("your mask lets a query see the earlier documents of the pack (it is only "
@@ -370,6 +371,7 @@ NOT_NAN_NOR_ZEROS = ("a fully masked row is 0/0 only when all its filled scores 
 
 register(Exercise(
     key="ch03.fp16_fill", function="fp16_fill", reference=fp16_fill_reference,
+    ops=NONE,
     cases=lambda: FP16.cases(*FILL_CASES), compare=FP16.compare,
     # A prediction, not a computation: no tensors inside the function.
     banned=("course_attn", "torch.tensor", "torch.as_tensor", "torch.full", "torch.Tensor.half",

@@ -22,8 +22,8 @@ import torch
 from ..attention import scaled_dot_product_attention
 from ..multihead import merge_heads, split_heads
 from .cases import count_questions, expect_close_tensor, expect_tensor, randn
-from .ch01 import NO_LIBRARY_ATTENTION
 from .exercise import Case, Exercise, Mistake, register
+from .operations import ELEMENTARY, NONE, NO_LIBRARY_ATTENTION, SOFTMAX
 
 
 # --- ch04.split_heads --------------------------------------------------------------------------
@@ -60,6 +60,7 @@ def _split_cases():
 
 register(Exercise(
     key="ch04.split_heads", function="split_heads", reference=split_heads,
+    ops=ELEMENTARY,
     cases=_split_cases, compare=expect_tensor, banned=("course_attn",),
     mistakes=(
         Mistake("you reshaped (B, T, C) straight to (B, H, T, D): that cuts the memory into H "
@@ -108,6 +109,7 @@ def _merge_cases():
 
 register(Exercise(
     key="ch04.merge_heads", function="merge_heads", reference=merge_heads,
+    ops=ELEMENTARY,
     cases=_merge_cases, compare=expect_tensor, banned=("course_attn",),
     mistakes=(
         Mistake("you reshaped (B, H, T, D) straight to (B, T, C) without moving the heads back "
@@ -177,6 +179,7 @@ def _mha_cases():
 
 register(Exercise(
     key="ch04.multi_head_attention", function="multi_head_attention",
+    ops=ELEMENTARY | SOFTMAX,
     reference=multi_head_attention_reference, cases=_mha_cases,
     compare=expect_close_tensor(1e-5, 1e-5), banned=NO_LIBRARY_ATTENTION,
     mistakes=(
@@ -256,6 +259,7 @@ def _costing(**wrong):
 
 register(Exercise(
     key="ch04.mha_cost", function="mha_cost", reference=mha_cost_reference,
+    ops=NONE,
     cases=lambda: COSTS.cases(*COST_SIZES), compare=COSTS.compare, banned=("course_attn",),
     mistakes=(
         Mistake("you left out the output projection W_O: it is a (C, C) matrix too",

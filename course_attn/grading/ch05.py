@@ -23,6 +23,7 @@ import torch
 from ..rope import apply_rotary_emb
 from .cases import Questions, as_number, expect_close_tensor, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
+from .operations import ELEMENTARY, NONE
 
 
 def _theta(head_dim, base, *, exponent=lambda i, d: -2.0 * i / d, device=None):
@@ -70,6 +71,7 @@ def _angles_cases():
 
 register(Exercise(
     key="ch05.rope_angles", function="rope_angles", reference=rope_angles_reference,
+    ops=ELEMENTARY,
     cases=_angles_cases, compare=expect_close_tensor(1e-5, 1e-6), banned=("course_attn",),
     mistakes=(
         Mistake("your frequencies fall too slowly: θᵢ = base^(-2i/D) has a 2 in the exponent "
@@ -135,6 +137,7 @@ def _rope_cases():
 
 register(Exercise(
     key="ch05.apply_rope", function="apply_rope", reference=apply_rope_reference,
+    ops=ELEMENTARY,
     cases=_rope_cases, compare=expect_close_tensor(1e-5, 1e-5), banned=("course_attn",),
     mistakes=(
         Mistake("you rotate by -t·θᵢ, clockwise (nanochat's convention): here every pair "
@@ -177,6 +180,7 @@ def _perm_cases():
 
 register(Exercise(
     key="ch05.pairing_permutation", function="pairing_permutation",
+    ops=ELEMENTARY,
     reference=pairing_permutation_reference, cases=_perm_cases, compare=expect_tensor,
     banned=("course_attn",),
     mistakes=(
@@ -298,6 +302,7 @@ def _other_difference(m, n, m2, n2):
 
 register(Exercise(
     key="ch05.rope_predictions", function="rope_predictions",
+    ops=NONE,
     reference=rope_predictions_reference,
     cases=lambda: PREDICTIONS.cases(*PUBLIC_PREDICTIONS), compare=PREDICTIONS.compare,
     # Worked out by hand: math.pi, math.cos and the like are fine, tensors are not.

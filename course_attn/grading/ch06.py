@@ -25,7 +25,7 @@ from ..masks import causal_mask
 from ..norm import rms_norm
 from .cases import Questions, as_number, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
-from .ch01 import NO_LIBRARY_ATTENTION
+from .operations import ELEMENTARY, NONE, NO_LIBRARY_ATTENTION, SOFTMAX
 
 NO_LIBRARY_RMS_NORM = ("course_attn", "torch.nn.functional.rms_norm", "torch.rms_norm",
                        "torch.nn.RMSNorm.forward")
@@ -84,6 +84,7 @@ def _rms_layer_norm(x, weight=None, eps=1e-6):
 
 register(Exercise(
     key="ch06.rms_norm", function="rms_norm",
+    ops=ELEMENTARY,
     reference=lambda x, weight=None, eps=1e-6: rms_norm(x, weight, eps),
     cases=_rms_cases, compare=expect_tensor, banned=NO_LIBRARY_RMS_NORM,
     mistakes=(
@@ -167,6 +168,7 @@ def _qk_cases():
 
 register(Exercise(
     key="ch06.qk_norm_attention", function="qk_norm_attention",
+    ops=ELEMENTARY | SOFTMAX,
     reference=qk_norm_attention_reference, cases=_qk_cases, compare=expect_tensor,
     banned=NO_LIBRARY_ATTENTION,
     mistakes=(
@@ -216,6 +218,7 @@ def _softcap_cases():
 
 register(Exercise(
     key="ch06.softcap", function="softcap", reference=softcap_reference,
+    ops=ELEMENTARY,
     cases=_softcap_cases, compare=expect_tensor, banned=("course_attn",),
     mistakes=(
         Mistake("you took tanh of the scores themselves: every score beyond about ±2 comes "
@@ -319,6 +322,7 @@ def _answering(**wrong):
 
 register(Exercise(
     key="ch06.qk_norm_limits", function="qk_norm_limits", reference=qk_norm_limits_reference,
+    ops=NONE,
     cases=lambda: LIMITS.cases(*PUBLIC_LIMITS), compare=LIMITS.compare, banned=("course_attn",),
     mistakes=(
         Mistake("you forgot the 1/sqrt(D) of the scores: the dot product of two normalised "

@@ -23,8 +23,8 @@ import torch
 from ..attention import repeat_kv, scaled_dot_product_attention
 from ..masks import causal_mask
 from .cases import Questions, as_number, expect_tensor, randn
-from .ch01 import NO_LIBRARY_ATTENTION
 from .exercise import Case, Exercise, Mistake, register
+from .operations import ELEMENTARY, NONE, NO_LIBRARY_ATTENTION, SOFTMAX
 
 NO_REPEAT_INTERLEAVE = ("course_attn", "torch.repeat_interleave",
                         "torch.Tensor.repeat_interleave")
@@ -64,6 +64,7 @@ ALONG_TIME = "you repeated along the time axis: the result needs more heads, not
 
 register(Exercise(
     key="ch07.repeat_kv", function="repeat_kv", reference=repeat_kv_reference,
+    ops=ELEMENTARY,
     cases=_repeat_kv_cases, compare=expect_tensor, banned=NO_REPEAT_INTERLEAVE,
     mistakes=(
         Mistake("you tiled the heads (0 1 0 1 ...): query head h must read KV head h // n_rep, "
@@ -137,6 +138,7 @@ def _first_kv_head_only(q, k, v, is_causal=False):
 
 register(Exercise(
     key="ch07.gqa_attention", function="gqa_attention", reference=gqa_attention_reference,
+    ops=ELEMENTARY | SOFTMAX,
     cases=_gqa_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
         Mistake("you tiled the KV heads (0 1 0 1 ...): query head h reads KV head h // (H / Hkv), "
@@ -221,6 +223,7 @@ def _bytes_cases():
 
 register(Exercise(
     key="ch07.kv_cache_bytes", function="kv_cache_bytes", reference=kv_cache_bytes_reference,
+    ops=ELEMENTARY,
     cases=_bytes_cases, compare=_expect_count, banned=("course_attn",),
     mistakes=(
         Mistake("you forgot the factor 2: the cache holds the keys and the values",
@@ -322,6 +325,7 @@ def _answering(key, wrong):
 
 register(Exercise(
     key="ch07.cache_questions", function="cache_questions", reference=cache_questions_reference,
+    ops=NONE,
     cases=lambda: ANSWERS.cases(*CACHE_SIZES), compare=ANSWERS.compare, banned=("course_attn",),
     mistakes=(
         Mistake("you tiled the heads (head h reads KV head h % Hkv): the query heads of one "

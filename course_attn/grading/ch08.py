@@ -27,7 +27,7 @@ from ..masks import causal_mask
 from ..rope import apply_rotary_emb
 from .cases import count_questions, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
-from .ch01 import NO_LIBRARY_ATTENTION
+from .operations import ELEMENTARY, GROWING, NONE, NO_LIBRARY_ATTENTION, SOFTMAX
 
 NO_GROWING = ("course_attn", "torch.cat", "torch.concat", "torch.concatenate", "torch.stack",
               "torch.hstack", "torch.vstack", "torch.dstack", "torch.column_stack",
@@ -127,6 +127,7 @@ def _fill_wrong(*, at=None, step=None, whole=False, only_new=False, dtype=None, 
 
 register(Exercise(
     key="ch08.fill_cache", function="fill_cache", reference=fill_cache_reference,
+    ops=ELEMENTARY - GROWING,
     cases=_fill_cases, compare=expect_prefixes, banned=NO_GROWING,
     mistakes=tuple(
         Mistake(hint, _fill_wrong(views=views, **wrong))
@@ -233,6 +234,7 @@ def _step_wrong(*, q_at=None, k_at=None, rerotate=False, align="bottom_right", c
 
 register(Exercise(
     key="ch08.decode_step", function="decode_step", reference=decode_step_reference,
+    ops=ELEMENTARY | SOFTMAX,
     cases=_step_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
         Mistake("your causal mask is aligned top-left (PyTorch's is_causal): the new queries are "
@@ -334,6 +336,7 @@ def _flops(L, C, V, T, P, N):
 
 register(Exercise(
     key="ch08.decode_savings", function="decode_savings", reference=decode_savings_reference,
+    ops=NONE,
     cases=lambda: SAVINGS.cases(*SAVING_SIZES), compare=SAVINGS.compare, banned=("course_attn",),
     mistakes=(
         Mistake("you counted 2 FLOPs per multiply-add: the question asks for multiply-adds",

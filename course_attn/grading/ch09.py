@@ -27,8 +27,8 @@ from ..attention import softmax
 from ..flash import merge_attention_states
 from ..masks import causal_mask, sliding_window_mask
 from .cases import count_questions, expect_tensor, expect_tensors, randn, random_mask
-from .ch01 import NO_LIBRARY_SOFTMAX
 from .exercise import Case, Exercise, Mistake, register
+from .operations import ELEMENTARY, NONE, NO_LIBRARY_SOFTMAX
 
 INF = float("-inf")
 
@@ -109,6 +109,7 @@ def _online_wrong(*, rescale=True, use_max=True, guard_start=True, guard_dead=Tr
 
 register(Exercise(
     key="ch09.online_softmax", function="online_softmax", reference=online_softmax_reference,
+    ops=ELEMENTARY,
     cases=_online_cases, compare=expect_tensor, banned=NO_SOFTMAX_OR_LSE,
     mistakes=(
         Mistake("a row that is all -inf gives NaN: its sum is 0, and 0 / 0 is NaN; such a row "
@@ -221,6 +222,7 @@ def _merge_wrong(*, lse_rule="log", weights="share", guard=True):
 
 register(Exercise(
     key="ch09.merge_states", function="merge_states", reference=merge_states_reference,
+    ops=ELEMENTARY,
     cases=_merge_cases, compare=expect_tensors(("out", "lse")), banned=NO_SOFTMAX_OR_LSE + (
         "torch.logaddexp", "torch.Tensor.logaddexp"),
     mistakes=(
@@ -323,6 +325,7 @@ def _tile_wrong(*, rescale_acc=True, rescale_l=True, normalise=False, guard=True
 
 register(Exercise(
     key="ch09.tile_update", function="tile_update", reference=tile_update_reference,
+    ops=ELEMENTARY,
     cases=_tile_cases, compare=expect_tensors(("m", "l", "acc")), banned=NO_SOFTMAX_OR_LSE,
     mistakes=(
         Mistake("you did not rescale the accumulator when the max grew: acc holds values "
@@ -420,6 +423,7 @@ def _mask_wrong(*, count=_blocks, align=True, causal_rule="ok", by_index=False, 
 
 register(Exercise(
     key="ch09.tile_mask", function="tile_mask", reference=tile_mask_reference,
+    ops=ELEMENTARY,
     cases=_mask_cases, compare=expect_tensor, banned=("course_attn",),
     mistakes=(
         Mistake("your causal skip is one block off: it skips the tiles on the diagonal, which "
@@ -529,6 +533,7 @@ FLOOR = ("you counted whole blocks only (T // block): a partial last block holds
 
 register(Exercise(
     key="ch09.flash_counts", function="flash_counts", reference=flash_counts_reference,
+    ops=NONE,
     cases=lambda: COUNTS.cases(COUNT_SIZES, MORE_COUNT_SIZES), compare=COUNTS.compare,
     banned=("course_attn",),
     mistakes=(

@@ -23,8 +23,8 @@ import torch
 
 from ..linear import EPS, LinearAttentionState, elu_features
 from .cases import count_questions, expect_tensor, expect_tensors, randn
-from .ch01 import NO_LIBRARY_ATTENTION
 from .exercise import Case, Exercise, Mistake, register
+from .operations import ELEMENTARY, ELU, NONE, NO_LIBRARY_ATTENTION, SOFTMAX
 
 NO_LIBRARY_ELU = ("course_attn", "torch.nn.functional.elu", "torch.nn.functional.elu_",
                   "torch.nn.functional.celu", "torch.nn.ELU.forward", "torch.nn.CELU.forward")
@@ -54,6 +54,7 @@ def _elu_cases():
 
 register(Exercise(
     key="ch10.elu_feature_map", function="elu_feature_map", reference=elu_feature_map_reference,
+    ops=ELEMENTARY - ELU,
     cases=_elu_cases, compare=expect_tensor, banned=NO_LIBRARY_ELU,
     mistakes=(
         Mistake("you left out the + 1: elu(x) alone is negative for x < 0, and a feature map "
@@ -130,6 +131,7 @@ def _step_wrong(*, read_first=False, normalise=True, update_z=True, new_state=Tr
 
 register(Exercise(
     key="ch10.recurrent_step", function="recurrent_step", reference=recurrent_step_reference,
+    ops=ELEMENTARY | SOFTMAX,
     cases=_step_cases, compare=expect_tensors(("out", "s", "z")), banned=NO_LIBRARY_ATTENTION,
     mistakes=(
         Mistake("your query read the state before the token was added: in causal attention a "
@@ -208,6 +210,7 @@ def _chunk_wrong(*, diagonal=0, masked=True, carry="before", normalise=True, car
 
 register(Exercise(
     key="ch10.chunk_step", function="chunk_step", reference=chunk_step_reference,
+    ops=ELEMENTARY | SOFTMAX,
     cases=_chunk_cases, compare=expect_tensors(("out", "s", "z")), banned=NO_LIBRARY_ATTENTION,
     mistakes=(
         Mistake("your chunk leaks its own future: inside the chunk, query i may only see keys "
@@ -310,6 +313,7 @@ def _costs_with(**rule):
 
 register(Exercise(
     key="ch10.linear_costs", function="linear_costs", reference=linear_costs_reference,
+    ops=NONE,
     cases=lambda: COSTS.cases(COST_SIZES, MORE_COST_SIZES), compare=COSTS.compare,
     banned=("course_attn",),
     mistakes=(

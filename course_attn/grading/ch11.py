@@ -26,14 +26,8 @@ import torch
 from ..attention import scaled_dot_product_attention
 from ..masks import query_key_offsets, sliding_window_mask
 from .cases import count_questions, as_number, expect_tensor, randn
-from .ch01 import NO_LIBRARY_ATTENTION
-from .ch03 import NO_LIBRARY_MASKS
 from .exercise import Case, Exercise, Mistake, register
-
-NO_LIBRARY_LOCAL = NO_LIBRARY_ATTENTION + (
-    "torch.nn.attention.flex_attention.flex_attention",
-    "torch.nn.attention.flex_attention.create_block_mask")
-
+from .operations import ELEMENTARY, NONE, NO_LIBRARY_ATTENTION, NO_LIBRARY_MASKS, SOFTMAX
 
 # --- ch11.window_mask ----------------------------------------------------------------------------
 
@@ -64,6 +58,7 @@ def _offsets(tq, tk, align="bottom_right"):
 
 register(Exercise(
     key="ch11.window_mask", function="window_mask", reference=window_mask_reference,
+    ops=ELEMENTARY,
     cases=_window_cases, compare=expect_tensor, banned=NO_LIBRARY_MASKS,
     mistakes=(
         Mistake("your window holds W + 1 keys: a query sees W keys, its own position included, "
@@ -135,6 +130,7 @@ def _rolling_cases():
 
 register(Exercise(
     key="ch11.rolling_index", function="rolling_index", reference=rolling_index_reference,
+    ops=ELEMENTARY,
     cases=_rolling_cases, compare=expect_int, banned=("course_attn",),
     mistakes=(
         Mistake("your index overwrites a sink: once the buffer is full, a new token may only "
@@ -227,8 +223,9 @@ def _block_wrong(*, lo_shift=0, hi_all=False, keep=None, align="bottom_right", o
 
 register(Exercise(
     key="ch11.local_attention_block", function="local_attention_block",
+    ops=ELEMENTARY | SOFTMAX,
     reference=local_attention_block_reference, cases=_block_cases, compare=expect_tensor,
-    banned=NO_LIBRARY_LOCAL,
+    banned=NO_LIBRARY_ATTENTION,
     mistakes=(
         Mistake("your block read keys or values outside its reach (here they are NaN): slice "
                 "k and v to the keys its queries can see before any product, masking them "
@@ -341,6 +338,7 @@ def _answering(**wrong):
 
 register(Exercise(
     key="ch11.window_budget", function="window_budget", reference=window_budget_reference,
+    ops=NONE,
     cases=lambda: BUDGET.cases(BUDGET_SIZES, MORE_BUDGET_SIZES), compare=BUDGET.compare,
     banned=("course_attn",),
     mistakes=(

@@ -10,7 +10,7 @@ import copy
 from pathlib import Path
 
 from .exercise import Exercise, get
-from .harness import Guard, encode, error_as_data
+from .harness import Guard, WireError, decode, encode, error_as_data
 from .judge import Answer, Judgement, format_judgement, judge_case
 from .operations import guard_options
 
@@ -45,7 +45,7 @@ def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = Tru
             args = copy.deepcopy(case.args)
             try:
                 value = guard.call(fn, args, dict(case.kwargs))
-                answer = Answer(value=value)
+                answer = _as_sent(value)
             except Exception as error:
                 answer = Answer(error=error_as_data(error))
             else:
@@ -55,6 +55,15 @@ def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = Tru
         judgement.results.append(judge_case(exercise, case, expected, answer))
     judgement.banned = list(guard.hits)
     return judgement
+
+
+def _as_sent(value) -> Answer:
+    """The answer as the grader would see it: sent as plain data and read back, so a value
+    that the grader refuses (a tensor subclass, an object) fails here too."""
+    try:
+        return Answer(value=decode(encode(value)))
+    except WireError as error:
+        return Answer(unsendable=str(error))
 
 
 def _encoded(value):
@@ -68,7 +77,17 @@ def check(key: str, fn) -> None:
     """Run exercise ``key``'s public cases on ``fn`` and print what passed, what failed and a
     hint. An unanswered exercise prints "not answered yet"; a wrong one raises ExerciseFailed
     after the table."""
-    judgement = run_exercise(get(key), fn)
+    try:
+        exercise = get(key)
+    except ValueError:
+        chapter = Path(__file__).with_name(f"{str(key).split('.')[0]}.py")
+        if isinstance(key, str) and not chapter.exists() and chapter.stem.startswith("ch"):
+            # the grader's sandbox: its copy of the package has no exercise declarations
+            print(f"{key}: check() is off while the grader runs this notebook; it runs its own "
+                  "checks")
+            return
+        raise
+    judgement = run_exercise(exercise, fn)
     print(format_judgement(judgement))
     if not judgement.passed and not judgement.not_implemented:
         failed = sum(not r.passed for r in judgement.results)

@@ -18,6 +18,7 @@ decoding.
 """
 
 import base64
+import ctypes
 import json
 import math
 import os
@@ -81,8 +82,9 @@ def _encode_tensor(value: torch.Tensor) -> dict:
         if name not in _DTYPES:
             raise WireError(f"a tensor of dtype {tensor.dtype}")
         device = str(tensor.device)
-        raw = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() \
-            if tensor.numel() else b""
+        flat = torch.empty(tensor.numel(), dtype=tensor.dtype)  # fresh strides, even for one
+        flat.copy_(tensor.to("cpu").reshape(-1))                 # element of stride 6
+        raw = flat.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
         shape = list(tensor.shape)
     return {"dtype": name, "shape": shape, "device": device,
             "data": base64.b64encode(raw).decode("ascii")}
@@ -140,6 +142,8 @@ def _decode_tensor(body: dict) -> torch.Tensor:
 # --- the guard: every operation the student's function runs, checked where torch dispatches ------
 
 SWITCHED_OFF = "torch's modes popped off their stacks during the call " + SWITCHES_OFF
+PROFILER_REPLACED = "sys.setprofile: the profiler that checks an arithmetic exercise, replaced " \
+    "during the call (profile it outside the graded function) " + SWITCHES_OFF
 _ALLOWED = object()  # what ``Guard._place`` answers inside an allowed function
 
 
@@ -234,10 +238,15 @@ class Guard:
     relative to the package, qualified name)): whatever an allowed function runs is allowed.
     ``report(name)`` is called at once for each new hit.
 
-    Both checks are torch modes, pushed in the calling thread and in every thread started
-    through ``threading`` while the guard is armed. What they cannot see: operations in a
-    thread that was already running, or that ``_thread`` started; and a submission that pops
-    the modes off torch's stacks, which is reported when found after the call.
+    Where the function may run no operation at all (``ops`` empty: an answer worked out with
+    arithmetic), a profiler in the calling thread also sees the package's Python code that
+    touches no tensor.
+
+    Both checks are torch modes, which torch keeps per thread: they are pushed in the calling
+    thread, in every thread started through ``threading`` while the guard is armed, and in
+    every thread already running, the next time it runs Python code (``_visit_other_threads``).
+    What they cannot see: a thread that ``_thread`` started during the call, and a submission
+    that pops the modes off torch's stacks, which is reported when found after the call.
     """
 
     def __init__(self, ops=None, refused=(), package=None, allowed=(), report=None,
@@ -318,10 +327,37 @@ class Guard:
         with _compile_stance(), self:
             return target(*args, **kwargs)
 
+    def _visit(self) -> None:
+        """In another thread: take off the modes of guards that are done, then (while this
+        guard is armed) put this guard's on."""
+        for stack, pop in ((_function_modes, torch._C._pop_torch_function_stack),
+                           (_dispatch_modes, _pop_dispatch_mode)):
+            while stack() and isinstance(stack()[-1], (_Functions, _Operations)) and \
+                    not stack()[-1].guard.armed:
+                pop()
+        if self.armed and threading.get_ident() != self._caller:
+            for mode in (_Functions(self), _Operations(self)):
+                mode.__enter__()
+
+    def _calls(self, frame, event, arg):
+        """A profiler for an exercise that runs no torch operation at all (arithmetic): the
+        package's Python code is seen where it is called, torch or not."""
+        if event == "call" and self.armed:
+            code = frame.f_code
+            if code.co_filename.startswith(self.packages) and code.co_filename != _OWN_FILE:
+                place = (code.co_filename, getattr(code, "co_qualname", code.co_name))
+                if place not in self.allowed:
+                    self._hit(_package_name(*place))
+
     def __enter__(self):
         self._modes = (_Functions(self), _Operations(self))
         for mode in self._modes:
             mode.__enter__()
+        self._caller = threading.get_ident()
+        self._watch_calls = bool(self.packages) and self.ops is not None and not self.ops
+        if self._watch_calls:
+            self._calls_hook, self._previous_profile = self._calls, sys.getprofile()
+            sys.setprofile(self._calls_hook)
         self._start = threading.Thread.start
         guard = self
 
@@ -336,11 +372,17 @@ class Guard:
             return guard._start(thread, *a, **k)
         threading.Thread.start = start
         self.armed = True
+        _visit_other_threads(self._visit)
         return self
 
     def __exit__(self, *exc):
         self.armed = False
+        if self._watch_calls:
+            if sys.getprofile() is not self._calls_hook:
+                self._hit(PROFILER_REPLACED)
+            sys.setprofile(self._previous_profile)
         threading.Thread.start = self._start
+        _visit_other_threads(self._visit)  # each takes this guard's modes off again
         functions, operations = self._modes
         on_top = _top_dispatch_mode() is operations and _top_function_mode() is functions
         if on_top:
@@ -351,14 +393,131 @@ class Guard:
         return False
 
 
+def _dispatch_modes() -> list:
+    return torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+
+
+def _function_modes() -> list:
+    return torch.overrides._get_current_function_mode_stack()
+
+
+def _pop_dispatch_mode() -> None:
+    torch.utils._python_dispatch._pop_mode()
+
+
 def _top_dispatch_mode():
-    stack = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+    stack = _dispatch_modes()
     return stack[-1] if stack else None
 
 
 def _top_function_mode():
-    stack = torch.overrides._get_current_function_mode_stack()
+    stack = _function_modes()
     return stack[-1] if stack else None
+
+
+# --- running code once in every other thread -----------------------------------------------------
+
+def _visit_other_threads(visit) -> None:
+    """Have every other thread of this interpreter call ``visit()`` once, the next time it runs
+    Python code: a one-shot profiler, which first puts that thread's own profiler back. (Torch
+    keeps its modes per thread; a thread the submission started before the call, such as a
+    pool's worker, would otherwise run unchecked.) Python 3.12 and later set every thread's
+    profiler at once; 3.10 and 3.11 through CPython's C API, on each thread's state."""
+    if hasattr(threading, "setprofile_all_threads"):
+        mine, for_new_threads = sys.getprofile(), threading.getprofile()
+
+        def once(frame, event, arg):
+            sys.setprofile(None)  # 3.12 gives no way to read what another thread had
+            visit()
+        threading.setprofile_all_threads(once)
+        threading.setprofile(for_new_threads)
+        sys.setprofile(mine)
+        return
+    found = _c_api()
+    if found is None:
+        return
+    api, layout = found
+    mine = sys.getprofile()
+    try:
+        def probe(frame, event, arg):
+            return None
+        sys.setprofile(probe)
+        me = api["PyThreadState_Get"]()
+        head = layout.from_address(me)
+        if head.c_profileobj != id(probe) or head.interp != api["PyInterpreterState_Get"]():
+            return  # not the layout this code knows
+        trampoline = head.c_profilefunc
+        for state in _thread_states(api):
+            if state == me:
+                continue
+            other = layout.from_address(state)
+            before = (other.c_profilefunc, ctypes.cast(other.c_profileobj, ctypes.py_object).value
+                      if other.c_profileobj else None)
+
+            def once(frame, event, arg, before=before):
+                function, profiler = before
+                if profiler is None or function == trampoline:
+                    sys.setprofile(profiler)
+                else:  # a profiler written in C (cProfile): put it back as it was
+                    api["_PyEval_SetProfile"](api["PyThreadState_Get"](), function,
+                                              id(profiler))
+                visit()
+            _KEEP.append(once)
+            api["_PyEval_SetProfile"](state, trampoline, id(once))
+    except Exception:
+        pass
+    finally:
+        sys.setprofile(mine)
+
+
+class _ThreadState310(ctypes.Structure):  # the head of CPython 3.10's PyThreadState
+    _fields_ = [("prev", ctypes.c_void_p), ("next", ctypes.c_void_p),
+                ("interp", ctypes.c_void_p), ("frame", ctypes.c_void_p),
+                ("recursion_depth", ctypes.c_int), ("recursion_headroom", ctypes.c_int),
+                ("stackcheck_counter", ctypes.c_int), ("tracing", ctypes.c_int),
+                ("cframe", ctypes.c_void_p), ("c_profilefunc", ctypes.c_void_p),
+                ("c_tracefunc", ctypes.c_void_p), ("c_profileobj", ctypes.c_void_p),
+                ("c_traceobj", ctypes.c_void_p)]
+
+
+class _ThreadState311(ctypes.Structure):  # the head of CPython 3.11's PyThreadState
+    _fields_ = [("prev", ctypes.c_void_p), ("next", ctypes.c_void_p),
+                ("interp", ctypes.c_void_p), ("_initialized", ctypes.c_int),
+                ("_static", ctypes.c_int), ("recursion_remaining", ctypes.c_int),
+                ("recursion_limit", ctypes.c_int), ("recursion_headroom", ctypes.c_int),
+                ("tracing", ctypes.c_int), ("tracing_what", ctypes.c_int),
+                ("cframe", ctypes.c_void_p), ("c_profilefunc", ctypes.c_void_p),
+                ("c_tracefunc", ctypes.c_void_p), ("c_profileobj", ctypes.c_void_p),
+                ("c_traceobj", ctypes.c_void_p)]
+
+
+def _c_api():
+    """CPython's functions for walking thread states and setting their profiler, and the
+    layout of a thread state; None where this is not CPython 3.10 or 3.11."""
+    layout = {(3, 10): _ThreadState310, (3, 11): _ThreadState311}.get(sys.version_info[:2])
+    if layout is None or sys.implementation.name != "cpython":
+        return None
+    try:
+        api = ctypes.PyDLL(None)
+        functions = {}
+        for name, args in (("PyThreadState_Get", []), ("PyInterpreterState_Get", []),
+                           ("PyInterpreterState_ThreadHead", [ctypes.c_void_p]),
+                           ("PyThreadState_Next", [ctypes.c_void_p]),
+                           ("_PyEval_SetProfile", [ctypes.c_void_p] * 3)):
+            function = getattr(api, name)
+            function.argtypes = args
+            function.restype = ctypes.c_int if name == "_PyEval_SetProfile" else ctypes.c_void_p
+            functions[name] = function
+    except (AttributeError, OSError):
+        return None
+    return functions, layout
+
+
+def _thread_states(api):
+    state = api["PyInterpreterState_ThreadHead"](api["PyInterpreterState_Get"]())
+    while state:
+        yield state
+        state = api["PyThreadState_Next"](state)
 
 
 def _package_name(filename: str, qualname: str) -> str:

@@ -106,6 +106,7 @@ class Kernel:
         self._hits_fd = None
         self._hits_buffer = b""
         self._drain = None
+        self._idle = None
         for folder in (self.workdir, self.rundir):
             folder.mkdir(parents=True, exist_ok=True)
         self.site = copy_package(scratch)
@@ -136,9 +137,9 @@ class Kernel:
             connection_file=str(self.rundir / f"kernel-{secrets.token_hex(4)}.json"))
         if self.sandboxed:
             self.km.prefix = self._sandbox_prefix()
-        self.km.kernel_spec.interrupt_mode = "message"
         log = open(self.scratch / "kernel.log", "ab")
         try:
+            self.km.kernel_spec.interrupt_mode = "message"
             await self.km.start_kernel(cwd=str(self.workdir), env=self.env, stdout=log,
                                        stderr=log, pass_fds=(write,),
                                        preexec_fn=self.limits.enter,
@@ -177,6 +178,15 @@ class Kernel:
             content = msg.get("content", {})
             self.output_chars += len(str(content.get("text", ""))) + \
                 len(str(content.get("data", "")))
+            if msg.get("msg_type") == "status" and content.get("execution_state") == "idle":
+                self._idle = msg.get("parent_header", {}).get("msg_id")
+
+    async def _quiet(self, msg_id: str, limit_s: float = 5.0) -> None:
+        """Wait until the kernel says it is idle after ``msg_id`` (then every output of that
+        request has been counted), at most ``limit_s`` seconds."""
+        deadline = time.monotonic() + limit_s
+        while self._idle != msg_id and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     def _read_hits(self) -> None:
         """Take what the kernel wrote on the hits pipe so far (one JSON string a line)."""
@@ -277,6 +287,8 @@ class Kernel:
                 run = CellRun("ok", value=text if isinstance(text, str) else "")
         else:
             run = CellRun("ok")
+        if run.status not in ("died", "stuck"):
+            await self._quiet(msg_id)
         run.seconds = time.monotonic() - started
         run.output_chars = self.output_chars - chars
         return run

@@ -47,39 +47,58 @@ cummax cummin cumsum cumsum_ cumprod cumprod_ searchsorted bucketize _unique2 un
 unique_consecutive bincount histc isin embedding one_hot where"""
 
 
-def _packets() -> dict[str, torch._ops.OpOverloadPacket]:
-    found = {}
-    for name in dir(torch.ops.aten):
-        try:
-            packet = getattr(torch.ops.aten, name)
-        except (AttributeError, RuntimeError):
+def _operators() -> tuple[set[str], set[str]]:
+    """Every ATen operator torch has registered (by name), and those among them that are
+    elementwise, reductions or views by torch's own tags and schemas. Read from the dispatcher,
+    not from ``torch.ops.aten``, which makes its packets lazily (listing it shows only the ones
+    used so far)."""
+    names, chosen = set(), set()
+    for full in torch._C._dispatch_get_all_op_names():
+        if not full.startswith("aten::"):
             continue
-        if hasattr(packet, "overloads"):
-            found[name] = packet
-    return found
+        name, _, overload = full[len("aten::"):].partition(".")
+        names.add(name)
+        try:
+            tags = torch._C._get_operation_overload(f"aten::{name}", overload)[2]
+            returns = torch._C._get_schema(f"aten::{name}", overload).returns
+        except (RuntimeError, IndexError, TypeError):
+            continue
+        aliased = returns and returns[0].alias_info is not None and \
+            not returns[0].alias_info.is_write
+        if aliased or any(tag in tags for tag in _TAGGED):
+            chosen.add(name)
+    return names, chosen
 
 
-def _tagged_and_views(packets) -> set[str]:
-    chosen = set()
-    for name, packet in packets.items():
-        for overload in packet.overloads():
-            op = getattr(packet, overload)
-            if op.is_view or any(tag in op.tags for tag in _TAGGED):
-                chosen.add(name)
-    return chosen
-
-
-SOFTMAX = frozenset({"aten._softmax", "aten._safe_softmax", "aten._softmax_backward_data",
-                     "aten._log_softmax", "aten._log_softmax_backward_data", "aten.logsumexp",
-                     "aten.softmax", "aten.log_softmax"})
+SOFTMAX = frozenset({"aten._softmax", "aten._safe_softmax", "aten._log_softmax",
+                     "aten.logsumexp", "aten.softmax", "aten.log_softmax"})  # forward only
+SOFTMAX_BACKWARD = frozenset({"aten._softmax_backward_data", "aten._log_softmax_backward_data"})
 LOGCUMSUMEXP = frozenset({"aten.logcumsumexp", "aten._logcumsumexp"})
 
-_PACKETS = _packets()
+_NAMES, _TAGGED_OR_VIEWS = _operators()
 ELEMENTARY = frozenset(
-    f"aten.{name}" for name in (_tagged_and_views(_PACKETS) |
+    f"aten.{name}" for name in (_TAGGED_OR_VIEWS |
                                 set(f"{_CREATION} {_METADATA} {_LINEAR_ALGEBRA} {_INDEXING}".split()))
-    if name in _PACKETS) - SOFTMAX - LOGCUMSUMEXP
+    if name in _NAMES) - SOFTMAX - SOFTMAX_BACKWARD - LOGCUMSUMEXP
 NONE: frozenset = frozenset()  # an answer worked out with arithmetic: no tensor at all
+ELU = frozenset({"aten.elu", "aten.elu_", "aten.celu", "aten.celu_", "aten.selu", "aten.selu_"})
+GROWING = frozenset({"aten.cat", "aten.stack", "aten.hstack", "aten.vstack", "aten.resize_",
+                     "aten.constant_pad_nd"})
+
+# Shortcuts refused by name (``Exercise.banned``), shared by the chapters that teach them:
+# "course_attn" refuses the package's code, so neither the reference nor a sibling answers.
+NO_LIBRARY_ATTENTION = ("course_attn", "torch.nn.functional.scaled_dot_product_attention",
+                        "torch.nn.MultiheadAttention.forward",
+                        "torch.nn.functional.multi_head_attention_forward",
+                        "torch.nn.attention.flex_attention.flex_attention",
+                        "torch.nn.attention.flex_attention.create_block_mask")
+NO_LIBRARY_SOFTMAX = ("torch.softmax", "torch.Tensor.softmax", "torch.nn.functional.softmax",
+                      "torch.special.softmax", "scipy.special.softmax")
+NO_LIBRARY_MASKS = ("course_attn", "torch.nn.attention.bias.causal_lower_right",
+                    "torch.nn.attention.bias.causal_upper_left",
+                    "torch.nn.attention.bias.CausalBias.__init__",
+                    "torch.nn.attention.flex_attention.create_block_mask",
+                    "torch.nn.attention.flex_attention.create_mask")
 
 
 def refuses_softmax(banned) -> bool:

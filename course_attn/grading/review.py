@@ -37,8 +37,7 @@ _SIGNS = (
      "changes the interpreter's hooks or module table (sys.setprofile, sys.modules)"),
     (r"__subclasses__|__builtins__|\bbuiltins\b|co_filename|CodeType|\.__code__\s*=",
      "rewrites or searches Python's own objects (builtins, code objects, __subclasses__)"),
-    (r"\b_thread\b|\bos\s*\.\s*fork\b|\bmultiprocessing\b|\bsubprocess\b|\bos\s*\.\s*(system|exec\w*|spawn\w*|popen)\b",
-     "starts processes or raw threads (subprocess, os.fork, _thread)"),
+    (r"\b_thread\s*\.\s*start_new", "starts a thread that no check follows (_thread)"),
 )
 _COMPILED = tuple((re.compile(pattern), why) for pattern, why in _SIGNS)
 
