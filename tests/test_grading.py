@@ -273,8 +273,8 @@ def test_after_the_kernel_dies_the_later_exercises_keep_their_points(graded, nam
         "ch99-double": 2, "ch99-row_sum": 0, "ch99-normalize": 2, "ch99-count_positive": 3}
     assert (f"the kernel {how} in the evaluation of ch99-row_sum; it was restarted, the cells "
             "before it were run again, and grading went on after it") in entry["flags"]
-    # what killed it reached for the machinery around it: a reviewer is pointed at it
-    assert [f for f in entry["flags"] if f.startswith("for review (no points lost): cell 7 ")]
+    if name == "segfault":  # it reached for C: a reviewer is pointed at the cell
+        assert "for review (no points lost): cell 7 calls C directly (ctypes)" in entry["flags"]
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
@@ -414,8 +414,11 @@ def test_a_kernel_that_cannot_start_is_the_graders_failure(tmp_path, monkeypatch
                                   check_modules=("course_fixture_ch99",))
     assert grade.grader_error and grade.error.startswith("could not start a no-such-kernel kernel")
     assert [e.reason for e in grade.exercises] == [f"not graded: {grade.error}"] * 4
-    assert cli.main([str(notebook), *FIXTURE_OPTIONS, "--workers", "1"]) == 1
-    assert "could not start" in capsys.readouterr().out
+    # in the command's worker processes: a memory limit too small for the kernel to start
+    assert cli.main([str(notebook), *FIXTURE_OPTIONS, "--workers", "1",
+                     "--memory-mb", "256"]) == 1
+    out = capsys.readouterr().out
+    assert "could not start a python3 kernel" in out and "memory limit of 256 MB" in out
 
 
 def test_the_kernel_gets_the_folders_of_the_check_modules_not_the_working_folder():

@@ -29,7 +29,7 @@ def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = Tru
     (default: the public ones), in this process; never raises for a broken ``fn``."""
     judgement = Judgement(exercise.key)
     cases = exercise.public_cases() if cases is None else cases
-    options = guard_options(exercise, PACKAGE_DIR)
+    options = guard_options(exercise, PACKAGE_DIR, imports=False)
     guard = Guard(options["ops"], options["refused"], options["package"],
                   [tuple(item) for item in options["allowed"]],
                   functions=[tuple(item) for item in options["functions"]]) \

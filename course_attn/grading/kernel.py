@@ -163,8 +163,11 @@ class Kernel:
                    "del _t, _m\n")
         run = await self.run(install, KERNEL_STARTUP_TIMEOUT_S, history=False)
         if run.status != "ok":
-            raise GraderError(f"could not set up the grader's side of the kernel: "
-                              f"{run.ename}: {run.evalue}")
+            what = f"{run.ename}: {run.evalue}" if run.ename else f"it {run.status}" + \
+                (f" ({run.evalue})" if run.evalue else "")
+            hint = _MEMORY_HINT.format(self.memory_mb) if self.memory_mb else ""
+            raise GraderError(f"could not start a {KERNEL_NAME} kernel: the grader's side did "
+                              f"not install ({what}){hint}")
 
     async def _drain_iopub(self) -> None:
         """Read and count (never keep) the kernel's output, so it cannot pile up."""

@@ -113,13 +113,16 @@ def default_operations(banned) -> frozenset:
     return ELEMENTARY if refuses_softmax(banned) else ELEMENTARY | SOFTMAX
 
 
-def guard_options(exercise, package: str | None) -> dict:
+def guard_options(exercise, package: str | None, *, imports: bool = True) -> dict:
     """What the guard needs for ``exercise`` (``harness.Guard``'s arguments, as plain data):
     the operations it may run; the functions it refuses by name (``refused``: torch's
     functions, matched by name whatever the route; ``functions``: Python functions, matched by
     where their code is); the package folder whose code it may not run (``package``, where the
     exercise bans ``"course_attn"``) and the package's functions it may run all the same
-    (``allowed``: file relative to the package, and qualified name)."""
+    (``allowed``: file relative to the package, and qualified name). Without ``imports``, a
+    refused function whose module is not imported yet is left out (``check()`` in a notebook
+    need not import torch's compiler to refuse a function the notebook never imported; the
+    grader imports them all)."""
     from pathlib import Path
     here = Path(__file__).resolve().parents[1]  # the package this process imported
     allowed = []
@@ -130,7 +133,7 @@ def guard_options(exercise, package: str | None) -> dict:
                             getattr(code, "co_qualname", code.co_name)])
     functions = []
     for dotted in exercise.banned:
-        code = _code_of(dotted) if dotted != "course_attn" else None
+        code = _code_of(dotted, imports) if dotted != "course_attn" else None
         if code is not None:
             functions.append([code.co_filename, getattr(code, "co_qualname", code.co_name),
                               dotted])
@@ -142,14 +145,19 @@ def guard_options(exercise, package: str | None) -> dict:
             "allowed": allowed}
 
 
-def _code_of(dotted: str):
+def _code_of(dotted: str, imports: bool = True):
     """The code object of the Python function a dotted name names (unwrapped), or None (a
-    builtin, or a name that does not resolve here)."""
+    builtin, or a name that does not resolve here; without ``imports``, one whose module is
+    not imported yet)."""
     import importlib
+    import sys
     parts = dotted.split(".")
     for split in range(len(parts), 0, -1):
+        module = ".".join(parts[:split])
+        if not imports and module not in sys.modules:
+            continue
         try:
-            obj = importlib.import_module(".".join(parts[:split]))
+            obj = importlib.import_module(module)
         except ImportError:
             continue
         try:
