@@ -1,0 +1,227 @@
+"""The grading sandbox's guarantees (issue 18), observed from inside a graded kernel.
+
+Each test runs code in a ``course_attn.grading.kernel.Kernel`` (bubblewrap, as the grader runs
+every submission) that raises AssertionError where a guarantee fails, so that a run whose
+status is "ok" proves it: the grader's process is out of sight and out of reach, ``solutions/``
+and the repository are not there, the package and the system are read-only, there is no
+network, secrets read as nothing, the kernel is user 65534 among a handful of processes, and
+the memory limit holds for the whole process tree.
+
+Skipped, with the reason, where ``sandbox.unavailable()`` says the sandbox cannot run here;
+failed instead when the environment variable CI is set (CI must test the sandbox).
+"""
+
+import asyncio
+import errno
+import os
+import socket
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+
+from grading_support import ROOT, SOLUTIONS, require_sandbox  # noqa: E402
+
+from course_attn.grading import sandbox  # noqa: E402
+from course_attn.grading.kernel import Kernel  # noqa: E402
+
+SANDBOX_UID = 65534
+LIMIT_S = 60
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sandbox_here():
+    require_sandbox()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def kernel(loop, tmp_path_factory):
+    """One sandboxed kernel, as the grader starts it (2048 MB), for the tests that only look."""
+    kernel = Kernel(tmp_path_factory.mktemp("kernel"), 2048)
+    loop.run_until_complete(kernel.start())
+    yield kernel
+    loop.run_until_complete(kernel.stop())
+
+
+def observe(loop, kernel, code: str, **values):
+    """Run ``code`` (its names ``values`` given as literals) in the kernel; returns the run."""
+    prelude = "".join(f"{name} = {value!r}\n" for name, value in values.items())
+    return loop.run_until_complete(kernel.run(prelude + textwrap.dedent(code), LIMIT_S))
+
+
+def assert_holds(run) -> None:
+    assert run.status == "ok", f"{run.status}: {run.ename}: {run.evalue}"
+
+
+def test_the_graders_process_is_out_of_sight(loop, kernel):
+    """Issue 18: the kernel's parent is the sandbox's own init (pid 1, bwrap), not the grader;
+    ``/proc/<grader pid>`` does not exist inside."""
+    assert_holds(observe(loop, kernel, '''
+        import os
+        assert os.getppid() != GRADER and os.getpid() != GRADER, (os.getppid(), os.getpid())
+        assert os.getppid() == 1, os.getppid()
+        init = open("/proc/1/cmdline", "rb").read().split(b"\\0")[0]
+        assert os.path.basename(init) == b"bwrap", init
+        assert not os.path.exists(f"/proc/{GRADER}"), f"/proc/{GRADER} is visible"
+        ''', GRADER=os.getpid()))
+
+
+def test_the_graders_process_cannot_be_signalled(loop, kernel):
+    """Issue 18: ``os.kill(<grader pid>, 0)`` fails: no such process in the kernel's PID
+    namespace (the signal 0 only checks)."""
+    assert_holds(observe(loop, kernel, '''
+        import os
+        try:
+            os.kill(GRADER, 0)
+        except ProcessLookupError:
+            pass
+        else:
+            raise AssertionError(f"the grader ({GRADER}) can be signalled")
+        ''', GRADER=os.getpid()))
+
+
+def test_the_solutions_and_the_repository_are_absent(loop, kernel):
+    """Issue 18: ``solutions/`` (and its hidden cases), the repository's files and the chapters'
+    exercise declarations are not in the sandbox; where the repository's folder exists at all,
+    it holds only the folders of the Python the kernel runs (a virtual environment inside it)."""
+    python_inside = sorted({Path(p).relative_to(ROOT).parts[0] for p in sandbox.python_folders()
+                            if Path(p).is_relative_to(ROOT)})
+    assert_holds(observe(loop, kernel, '''
+        import os
+        import course_attn.grading
+        for path in (SOLUTIONS, os.path.join(SOLUTIONS, "hidden"),
+                     os.path.join(SOLUTIONS, "03_masking.ipynb"), os.path.join(ROOT, ".git"),
+                     os.path.join(ROOT, "course_attn", "grading", "judge.py"),
+                     os.path.join(ROOT, "tests")):
+            assert not os.path.exists(path), f"{path} is in the sandbox"
+        if os.path.exists(ROOT):
+            assert set(os.listdir(ROOT)) <= set(PYTHON), os.listdir(ROOT)
+        grading = os.path.dirname(course_attn.grading.__file__)
+        assert not os.path.commonpath([grading, ROOT]) == ROOT, grading
+        chapters = [f for f in os.listdir(grading) if f.startswith("ch") and f[2:4].isdigit()]
+        assert chapters == [], chapters
+        ''', SOLUTIONS=str(SOLUTIONS.resolve()), ROOT=str(ROOT.resolve()),
+        PYTHON=python_inside))
+
+
+def test_the_package_and_the_system_are_read_only(loop, kernel):
+    """Issue 18: writing into the kernel's copy of the package, the virtual environment's
+    site-packages or the system fails with EROFS; its working folder and /tmp are writable."""
+    assert_holds(observe(loop, kernel, '''
+        import errno
+        import os
+        import sysconfig
+        import course_attn
+        package = os.path.dirname(course_attn.__file__)
+        for path, mode in ((os.path.join(package, "new.py"), "w"),
+                           (os.path.join(package, "grading", "judge.py"), "a"),
+                           (os.path.join(sysconfig.get_paths()["purelib"], "x.pth"), "w"),
+                           ("/usr/lib/x", "w"), ("/etc/x", "w")):
+            try:
+                open(path, mode).close()
+            except OSError as error:
+                assert error.errno == EROFS, (path, error)
+            else:
+                raise AssertionError(f"{path} could be written")
+        for folder in (os.getcwd(), "/tmp"):
+            with open(os.path.join(folder, "mine.txt"), "w") as file:
+                file.write("the kernel's own")
+        ''', EROFS=errno.EROFS))
+
+
+def test_there_is_no_network(loop, kernel):
+    """Issue 18: a server listening on 127.0.0.1 here (the test connects to it) cannot be reached
+    from the kernel, which has a network namespace of its own; nor can any other address."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    try:
+        port = server.getsockname()[1]
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # it does listen
+        assert_holds(observe(loop, kernel, '''
+            import socket
+            for address in (("127.0.0.1", PORT), ("1.1.1.1", 53), ("10.0.0.1", 80)):
+                try:
+                    socket.create_connection(address, timeout=5).close()
+                except OSError:
+                    pass
+                else:
+                    raise AssertionError(f"connected to {address}")
+            ''', PORT=port))
+    finally:
+        server.close()
+
+
+def test_secrets_read_as_nothing(loop, kernel):
+    """Issue 18: ``/etc/shadow`` (bound to ``/dev/null`` in the sandbox) gives nothing: it reads
+    empty or, as on a system where the bound device node may not be opened, is refused."""
+    assert_holds(observe(loop, kernel, '''
+        for secret in ("/etc/shadow", "/etc/gshadow"):
+            try:
+                with open(secret) as file:
+                    assert file.read() == "", f"{secret} has content"
+            except (PermissionError, FileNotFoundError):
+                pass
+        '''))
+
+
+def test_the_kernel_is_nobody_among_a_handful_of_processes(loop, kernel):
+    """Issue 18: the kernel runs as uid and gid 65534, and sees only its sandbox's processes (its
+    init and itself, and whatever it starts)."""
+    assert_holds(observe(loop, kernel, '''
+        import os
+        assert (os.getuid(), os.geteuid(), os.getgid(), os.getegid()) == (UID,) * 4, os.getuid()
+        pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+        assert 1 in pids and os.getpid() in pids and len(pids) <= 4, pids
+        ''', UID=SANDBOX_UID))
+
+
+MEMORY_MB = 1024
+FORK_600_MB_THREE_TIMES = '''
+import os
+import time
+
+children = []
+for _ in range(3):   # 1800 MB in all, each child within the per-process limit
+    pid = os.fork()
+    if pid == 0:
+        try:
+            block = bytearray(600 << 20)
+            for i in range(0, len(block), 4096):
+                block[i] = 1
+            time.sleep(1)
+        finally:
+            os._exit(0)
+    children.append(pid)
+statuses = [os.waitpid(pid, 0)[1] for pid in children]
+assert any(os.WIFSIGNALED(s) for s in statuses), f"every child kept 600 MB: {statuses}"
+'''
+
+
+def test_the_memory_limit_holds_for_the_whole_process_tree(loop, tmp_path):
+    """Issue 18: under a 1024 MB limit, a kernel that forks three children of 600 MB each: the
+    tree's memory cgroup kills children (or the kernel itself, which the grader then reports as
+    out of memory); this process, the grader, is untouched."""
+    kernel = Kernel(tmp_path, MEMORY_MB)
+    loop.run_until_complete(kernel.start())
+    try:
+        if kernel.limits.kind != "cgroup":
+            pytest.skip("no memory cgroup for the kernel here (cgroup v1 controllers or a "
+                        "delegated v2 subtree are needed): only per-process limits hold")
+        run = loop.run_until_complete(kernel.run(FORK_600_MB_THREE_TIMES, LIMIT_S))
+        assert run.status == "ok" or (run.status, run.evalue) == ("died", "out of memory"), \
+            f"{run.status}: {run.ename}: {run.evalue}"
+        assert kernel.limits.out_of_memory()
+    finally:
+        loop.run_until_complete(kernel.stop())
+    assert os.getpid() and Path(f"/proc/{os.getpid()}").exists()
