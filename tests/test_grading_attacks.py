@@ -70,6 +70,8 @@ def review(why: str) -> str:
 STACK = review("walks the call stack (sys._getframe, inspect.stack, f_back)")
 DISPATCH = review("hooks into torch's dispatch (__torch_function__, torch modes)")
 GRADER_PACKAGE = review("imports or reaches the grader's package (course_attn.grading)")
+MACHINERY = review("replaces the kernel's own machinery (IPython's user_expressions, execution, "
+                   "replies)")
 RAW_THREADS = review("starts a thread that no check follows (_thread)")
 PROC = review("reads /proc")
 SIGNALS = review("sends signals (os.kill)")
@@ -536,10 +538,8 @@ ATTACKS = {
         banned("course_attn.masks.padding_mask")),
     "guard_disarmed_before_the_call": Attack(
         "issue 8/18: the guard found through torch's mode stack and disarmed (armed = False)",
-        "03_e", "ch03-padding_mask", GUARD_DISARMED, banned("course_attn.masks.padding_mask"),
-        gap="Guard.armed is a plain attribute the student's code can set through "
-            "torch.overrides._get_current_function_mode_stack(): the reference then runs "
-            "unseen, __exit__ finds its modes on top and reports nothing (full marks, no flag)"),
+        "03_e", "ch03-padding_mask", GUARD_DISARMED, SWITCHED,
+        (switched_flag("ch03-padding_mask"), DISPATCH)),
     "guard_modes_popped": Attack(
         "issue 8/18 (was: the profiler switched off): torch's mode stacks popped in the call",
         "03_f", "ch03-padding_mask", MODES_POPPED, SWITCHED,
@@ -613,9 +613,7 @@ ATTACKS = {
     "create_block_mask": Attack(
         "issue 18: flex attention's create_block_mask(...).to_dense() for ch09.tile_mask",
         "09_a", "ch09-tile_mask", BLOCK_MASK,
-        banned("torch.nn.attention.flex_attention.create_block_mask"),
-        gap="create_block_mask is not refused by ch09.tile_mask, and every operation it runs "
-            "is elementary (being added to the ban lists)"),
+        banned("torch.nn.attention.flex_attention.create_block_mask")),
     # ch06, ch07, ch10: composites that torch decomposes into allowed operations
     "aten_rms_norm": Attack(
         "issue 18: torch.ops.aten.rms_norm", "06_a", "ch06-rms_norm", ATEN_RMS_NORM,
@@ -623,11 +621,14 @@ ATTACKS = {
     "answer_forged_in_the_reply": Attack(
         "issue 18 (found while writing these tests): the graded function records the grader's "
         "inputs and returns zeros; an override of get_ipython().user_expressions rewrites the "
-        "answer in the Jupyter reply with the reference's outputs, computed after the guard",
-        "06_b", "ch06-rms_norm", ANSWER_FORGED_IN_THE_REPLY, r".+",
-        gap="the answer travels in the reply of the student's own kernel: an override of "
-            "user_expressions rewrites it with course_attn.rms_norm's outputs for the recorded "
-            "hidden inputs, computed outside the guard (no hit); full marks"),
+        "answer in the Jupyter reply with the reference's outputs, computed after the guard: "
+        "the answer's fingerprint, which the harness sent on the grader's pipe, no longer fits",
+        "06_b", "ch06-rms_norm", ANSWER_FORGED_IN_THE_REPLY,
+        re.escape("the grader could not run your function (GraderError: the answer in the "
+                  "kernel's reply is not the one the grader's harness gave)"),
+        (re.escape("ch06-rms_norm: the grader's evaluation failed in the kernel (GraderError: "
+                   "the answer in the kernel's reply is not the one the grader's harness "
+                   "gave); the submission may have interfered with it"), MACHINERY)),
     "aten_repeat_interleave": Attack(
         "issue 18: torch.ops.aten.repeat_interleave", "07_a", "ch07-repeat_kv",
         ATEN_REPEAT_INTERLEAVE, banned("torch.ops.aten.repeat_interleave")),
@@ -1089,19 +1090,6 @@ for _ in range(1000):   # 1 GB of output, a million characters at a time, each s
     print(line, flush=True)
 '''
 
-READ_THE_PARENTS_MEMORY = '''import os
-
-def causal_mask(tq, tk):
-    """The grader's expected answers, from its memory (were the parent the grader): a wrong
-    answer if the read works, its error if it does not."""
-    with open(f"/proc/{os.getppid()}/maps") as maps:
-        start = int(maps.readline().split("-")[0], 16)
-    with open(f"/proc/{os.getppid()}/mem", "rb") as memory:
-        memory.seek(start)
-        memory.read(4096)
-    return torch.ones(tq, tk, dtype=torch.bool)
-'''
-
 # student -> (solution notebook, blank (its exercise notebook instead), changes)
 CLASS = {
     "honest_ch02": (CH02, False, {}),
@@ -1117,8 +1105,6 @@ CLASS = {
     "forks_a_memory_bomb": (CH03, False, {"replace": {
         "ch03-causal_mask-solution": FORKED_MEMORY_BOMB}}),
     "prints_a_gigabyte": (CH03, False, {"after": {"ch03-setup": PRINT_A_GIGABYTE}}),
-    "reads_its_parents_memory": (CH03, False, {"replace": {
-        "ch03-causal_mask-solution": READ_THE_PARENTS_MEMORY}}),
 }
 CLASS_LIMIT_S = 420  # the whole class, well within the grader's own limits (300 s a notebook)
 
@@ -1258,19 +1244,4 @@ def test_a_gigabyte_of_output_is_cut_off_and_flagged(graded_class):
     assert any(re.fullmatch(r"cell \d+ printed more than [\d,]+ characters of output and was "
                             r"interrupted; grading went on", f) for f in entry["flags"]), \
         entry["flags"]
-    _honest_classmates_keep_full_marks(graded_class)
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "the kernel's parent is the sandbox's init (bwrap, the same uid 65534 inside the "
-    "namespaces), whose memory /proc/<ppid>/mem reads: nothing of the grader's is in it (the "
-    "grader is outside the PID namespace), but the read does not fail"))
-def test_reading_its_parents_memory_fails(graded_class):
-    """Issue 18: ``/proc/<ppid>/mem``, which would hold the grader's expected answers, cannot be
-    read (the parent is the sandbox's init, and even its memory is refused): causal_mask fails
-    with the error of the read, not with a wrong answer."""
-    entry = _notebook(graded_class, "reads_its_parents_memory")
-    reason = by_grade_id(entry)["ch03-causal_mask"]["reason"]
-    assert re.fullmatch(FAILS + r"'square, Tq=Tk=4': (OSError|PermissionError): .+", reason), \
-        reason
     _honest_classmates_keep_full_marks(graded_class)

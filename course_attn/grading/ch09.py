@@ -28,7 +28,7 @@ from ..flash import merge_attention_states
 from ..masks import causal_mask, sliding_window_mask
 from .cases import count_questions, expect_tensor, expect_tensors, randn, random_mask
 from .exercise import Case, Exercise, Mistake, register
-from .operations import ELEMENTARY, NONE, NO_LIBRARY_SOFTMAX
+from .operations import ELEMENTARY, NONE, NO_LIBRARY_MASKS, NO_LIBRARY_SOFTMAX
 
 INF = float("-inf")
 
@@ -424,7 +424,7 @@ def _mask_wrong(*, count=_blocks, align=True, causal_rule="ok", by_index=False, 
 register(Exercise(
     key="ch09.tile_mask", function="tile_mask", reference=tile_mask_reference,
     ops=ELEMENTARY,
-    cases=_mask_cases, compare=expect_tensor, banned=("course_attn",),
+    cases=_mask_cases, compare=expect_tensor, banned=NO_LIBRARY_MASKS,
     mistakes=(
         Mistake("your causal skip is one block off: it skips the tiles on the diagonal, which "
                 "hold the pairs of a query with itself and the keys just before it",

@@ -61,15 +61,21 @@ by the file it is in. A refused operation is written to the grader's pipe the mo
 happens, so erasing the guard's record afterwards changes nothing. The grader's expression
 looks up no name in the student's namespace, and IPython's input transformers never see it.
 
-*What remains*, deliberately: the guard lives in the student's process, so a submission that
-pops torch's modes, or runs its computation in a thread that was already running (or one
-started with ``_thread``), escapes the allowlist, though never the correctness of its answers.
-Such code is visible: the grader flags, for a human reviewer and without taking points, code
-that walks the stack, searches the interpreter's objects (``gc``), calls C (``ctypes``), reads
-``/proc``, sends signals, hooks torch's dispatch, reaches ``course_attn.grading``, rewrites
-builtins or code objects, or starts processes or raw threads (``review.py``). Copying the
-reference's published source is new code, not a call. Computation in pure Python inside the
-package that runs no torch operation (none of the references does) would not be seen.
+The harness also writes each answer's fingerprint on that pipe: an answer rewritten in the
+Jupyter reply after the harness gave it (an override of IPython's ``user_expressions``) does not
+fit its fingerprint, and scores 0 with a flag. Where an exercise is arithmetic (its allowlist is
+empty), a profiler in the calling thread also sees the package's pure-Python code.
+
+*What remains*, deliberately: the guard and the harness live in the student's process, so a
+submission that pops torch's modes without being seen, runs its computation in a thread started
+with ``_thread``, or replaces IPython's machinery and writes its own fingerprint on the pipe,
+escapes the allowlist, though never the correctness of its answers: it must still produce the
+right outputs for inputs it has never seen. Such code is visible: the grader flags, for a human
+reviewer and without taking points, code that walks the stack, searches the interpreter's
+objects (``gc``), calls C (``ctypes``), reads ``/proc``, sends signals, hooks torch's dispatch,
+replaces the kernel's own machinery, reaches ``course_attn.grading``, rewrites builtins or code
+objects, or starts a ``_thread`` (``review.py``). Copying the reference's published source is
+new code, not a call.
 """
 
 import asyncio

@@ -141,7 +141,8 @@ def _decode_tensor(body: dict) -> torch.Tensor:
 
 # --- the guard: every operation the student's function runs, checked where torch dispatches ------
 
-SWITCHED_OFF = "torch's modes popped off their stacks during the call " + SWITCHES_OFF
+SWITCHED_OFF = "torch's modes popped off their stacks, or the guard disarmed, during the " \
+    "call " + SWITCHES_OFF
 PROFILER_REPLACED = "sys.setprofile: the profiler that checks an arithmetic exercise, replaced " \
     "during the call (profile it outside the graded function) " + SWITCHES_OFF
 _ALLOWED = object()  # what ``Guard._place`` answers inside an allowed function
@@ -376,6 +377,8 @@ class Guard:
         return self
 
     def __exit__(self, *exc):
+        if self.armed is not True:  # the submission reached the guard and disarmed it
+            self._hit(SWITCHED_OFF)
         self.armed = False
         if self._watch_calls:
             if sys.getprofile() is not self._calls_hook:
@@ -611,7 +614,9 @@ def install(namespace: dict, hits_fd: int, token: str) -> None:
     the grader's expression reaches ``evaluate`` without looking a single name up in that
     namespace (``().__class__.__base__.__subclasses__()`` holds it; a student's variable
     named ``exec`` or ``json`` changes nothing). Hits are written to ``hits_fd``, a pipe only
-    the grader reads, the moment they happen: what is written cannot be taken back."""
+    the grader reads, the moment they happen: what is written cannot be taken back; and so is
+    each answer's fingerprint, so that an answer rewritten in the Jupyter reply after the
+    harness gave it is refused."""
     def report(name):
         try:
             os.write(hits_fd, (json.dumps(name) + "\n").encode())
@@ -619,11 +624,22 @@ def install(namespace: dict, hits_fd: int, token: str) -> None:
             pass
 
     def run(request_json: str) -> str:
-        return json.dumps(evaluate(json.loads(request_json), namespace, report))
+        answer = json.dumps(evaluate(json.loads(request_json), namespace, report))
+        try:  # the answer's fingerprint, where the reply cannot reach: a rewritten reply fails
+            os.write(hits_fd, (json.dumps({"answer": answer_digest(answer)}) + "\n").encode())
+        except OSError:
+            pass
+        return answer
 
     harness = type(f"CourseAttnHarness_{token}", (), {"evaluate": staticmethod(run)})
     sys.modules[f"course_attn_harness_{token}"] = sys.modules.get(__name__) or harness
     _KEEP.append(harness)
+
+
+def answer_digest(text: str) -> str:
+    """The fingerprint of an answer's JSON text, sent on the pipe beside the reply."""
+    import hashlib
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def expression(token: str, request: dict) -> str:

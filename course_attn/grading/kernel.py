@@ -103,6 +103,7 @@ class Kernel:
         self.limits = None
         self.output_chars = 0
         self.hits: list[str] = []
+        self.digests: list[str] = []  # fingerprints of the answers the harness gave
         self._hits_fd = None
         self._hits_buffer = b""
         self._drain = None
@@ -209,7 +210,9 @@ class Kernel:
                 hit = json.loads(line)
             except (ValueError, RecursionError):
                 continue
-            if isinstance(hit, str) and hit[:200] not in self.hits and len(self.hits) < 100:
+            if isinstance(hit, dict) and isinstance(hit.get("answer"), str):
+                self.digests.append(hit["answer"])
+            elif isinstance(hit, str) and hit[:200] not in self.hits and len(self.hits) < 100:
                 self.hits.append(hit[:200])
 
     async def _alive(self) -> bool:
@@ -308,7 +311,7 @@ class Kernel:
         answer (None if none came back) and the banned operations reported as they
         happened."""
         self._read_hits()
-        self.hits = []
+        self.hits, self.digests = [], []
         run = await self.run("", limit_s, history=False,
                              expression=harness.expression(self.token, request))
         self._read_hits()
@@ -318,6 +321,11 @@ class Kernel:
                 text = ast.literal_eval(run.value)
                 answer = json.loads(text) if isinstance(text, str) else None
             except (ValueError, SyntaxError, RecursionError, MemoryError, TypeError):
+                answer = None
+            if answer is not None and harness.answer_digest(text) not in self.digests:
+                run = CellRun("error", "GraderError", "the answer in the kernel's reply is not "
+                              "the one the grader's harness gave", seconds=run.seconds,
+                              output_chars=run.output_chars)
                 answer = None
         return run, answer if isinstance(answer, dict) else None, list(self.hits)
 

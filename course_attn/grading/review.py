@@ -27,8 +27,14 @@ _SIGNS = (
      "sends signals (os.kill)"),
     (r"__torch_function__|__torch_dispatch__|TorchFunctionMode|TorchDispatchMode|"
      r"_python_dispatch|_pop_mode|_push_mode|_pop_torch|_push_on_torch|DisableTorchFunction|"
-     r"_DisableTorchDispatch|_disable_current_modes",
+     r"_DisableTorchDispatch|_disable_current_modes|_get_current_function_mode|"
+     r"_get_current_dispatch_mode|_get_function_stack_at|_len_torch_function_stack",
      "hooks into torch's dispatch (__torch_function__, torch modes)"),
+    (r"\buser_expressions\b|\bdo_execute\b|\bshell_handlers\b|\bcontrol_handlers\b|"
+     r"\bdisplay_formatter\b|\bdisplaypub\b|\bsession\s*\.\s*send\b|"
+     r"get_ipython\s*\(\s*\)\s*\.\s*(kernel|events|run_cell|ev|ex)\b|"
+     r"\b(InteractiveShell|IPythonKernel|ZMQInteractiveShell)\b",
+     "replaces the kernel's own machinery (IPython's user_expressions, execution, replies)"),
     (r"course_attn\s*\.\s*grading|from\s+course_attn\s+import\s+grading|CourseAttnHarness",
      "imports or reaches the grader's package (course_attn.grading)"),
     (r"\bsys\s*\.\s*(setprofile|settrace)\b|\bthreading\s*\.\s*(setprofile|settrace)|"
