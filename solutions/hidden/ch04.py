@@ -1,5 +1,8 @@
 """Hidden cases of chapter 4: drawn by the grader with a fresh seed for every notebook it grades.
-Private to instructors: never published with the course (see book/instructors.md)."""
+Private to instructors: never published with the course (see book/instructors.md).
+
+Every generator names its regimes (``@hidden(key, regimes=...)``, predicates on a case) and
+draws a case inside each of them on every seed, the sizes drawn at random inside the regime."""
 
 import torch
 
@@ -8,39 +11,130 @@ from course_attn.grading.ch04 import COSTS
 from course_attn.grading.exercise import Case, hidden
 
 
-def _sizes(gen):
-    """B, T, H, D with H >= 2 and T >= 2, so that the typical mistakes show."""
-    return randint(1, 3, gen), randint(2, 9, gen), randint(2, 5, gen), randint(1, 6, gen)
+def _x(case):
+    return case.args[0]
 
 
-@hidden("ch04.split_heads")
+def _dtype(dtype):
+    return lambda case: _x(case).dtype == dtype
+
+
+# --- split_heads: x (B, T, C), n_heads -------------------------------------------------------
+# A reshape straight to (B, H, T, D) is right when T = 1 or H = 1; interleaved heads (every H-th
+# channel) when D = 1 or H = 1; (B, T, H, D) has the right shape when T = H. So the first two
+# cases, which catch every typical mistake on every seed, have B, T, H and D all >= 2.
+
+@hidden("ch04.split_heads", regimes={
+    "H > 1 and D > 1 (the heads are blocks of channels)":
+        lambda case: 1 < case.args[1] < _x(case).shape[2],
+    "H = 1 (one head: a new axis of size 1)": lambda case: case.args[1] == 1,
+    "D = 1 (H = C: head h gets channel h)":
+        lambda case: 1 < case.args[1] == _x(case).shape[2],
+    "T = 1 (one token)": lambda case: _x(case).shape[1] == 1,
+    "B = 1": lambda case: _x(case).shape[0] == 1,
+    "B > 1": lambda case: _x(case).shape[0] > 1,
+    "float32": _dtype(torch.float32),
+    "float64": _dtype(torch.float64),
+})
 def _(gen):
-    b, t, h, d = _sizes(gen)
+    b, t, h, d = randint(2, 3, gen), randint(2, 9, gen), randint(2, 5, gen), randint(2, 6, gen)
     yield Case(f"B={b}, T={t}, C={h * d}, H={h}", (randn(b, t, h * d, seed=gen), h))
-    yield Case(f"float64, B=1, T={t + 1}, C={2 * (d + 1)}, H=2",
-               (randn(1, t + 1, 2 * (d + 1), seed=gen, dtype=torch.float64), 2))
+    t, h, d = randint(2, 9, gen), randint(2, 5, gen), randint(2, 6, gen)
+    yield Case(f"float64, B=1, T={t}, C={h * d}, H={h}",
+               (randn(1, t, h * d, seed=gen, dtype=torch.float64), h))
+    b, t, c = randint(1, 3, gen), randint(2, 6, gen), randint(2, 12, gen)
+    yield Case(f"one head: B={b}, T={t}, C={c}, H=1", (randn(b, t, c, seed=gen), 1))
+    b, t, h = randint(1, 3, gen), randint(2, 6, gen), randint(2, 8, gen)
+    yield Case(f"heads of width 1: B={b}, T={t}, C=H={h}", (randn(b, t, h, seed=gen), h))
+    b, h, d = randint(1, 3, gen), randint(2, 4, gen), randint(2, 4, gen)
+    yield Case(f"T=1: B={b}, C={h * d}, H={h}", (randn(b, 1, h * d, seed=gen), h))
 
 
-@hidden("ch04.merge_heads")
+# --- merge_heads: x (B, H, T, D) ---------------------------------------------------------------
+# A reshape straight to (B, T, C) is right when T = 1 or H = 1; interleaved heads when D = 1 or
+# H = 1. The first two cases have H, T and D all >= 2.
+
+@hidden("ch04.merge_heads", regimes={
+    "H > 1 and D > 1": lambda case: _x(case).shape[1] > 1 and _x(case).shape[3] > 1,
+    "H = 1 (one head: the axis of size 1 goes)": lambda case: _x(case).shape[1] == 1,
+    "D = 1 (channel h of token t is head h)":
+        lambda case: _x(case).shape[1] > 1 and _x(case).shape[3] == 1,
+    "T = 1 (one token)": lambda case: _x(case).shape[2] == 1,
+    "B = 1": lambda case: _x(case).shape[0] == 1,
+    "B > 1": lambda case: _x(case).shape[0] > 1,
+    "float32": _dtype(torch.float32),
+    "float64": _dtype(torch.float64),
+})
 def _(gen):
-    b, t, h, d = _sizes(gen)
+    b, h, t, d = randint(2, 3, gen), randint(2, 5, gen), randint(2, 9, gen), randint(2, 6, gen)
     yield Case(f"B={b}, H={h}, T={t}, D={d}", (randn(b, h, t, d, seed=gen),))
-    yield Case(f"float64, B=2, H={h}, T={t + 2}, D={d + 1}",
-               (randn(2, h, t + 2, d + 1, seed=gen, dtype=torch.float64),))
+    h, t, d = randint(2, 5, gen), randint(2, 9, gen), randint(2, 6, gen)
+    yield Case(f"float64, B=1, H={h}, T={t}, D={d}",
+               (randn(1, h, t, d, seed=gen, dtype=torch.float64),))
+    b, t, d = randint(1, 3, gen), randint(2, 6, gen), randint(2, 8, gen)
+    yield Case(f"one head: B={b}, T={t}, D={d}", (randn(b, 1, t, d, seed=gen),))
+    b, h, t = randint(1, 3, gen), randint(2, 8, gen), randint(2, 6, gen)
+    yield Case(f"heads of width 1: B={b}, H={h}, T={t}", (randn(b, h, t, 1, seed=gen),))
+    b, h, d = randint(1, 3, gen), randint(2, 4, gen), randint(2, 4, gen)
+    yield Case(f"T=1: B={b}, H={h}, D={d}", (randn(b, h, 1, d, seed=gen),))
 
 
-@hidden("ch04.multi_head_attention")
-def _(gen):
-    b, t, h, d = _sizes(gen)
-    d = max(d, 2)
+# --- multi_head_attention: x, w_q, w_k, w_v, w_o, n_heads, causal -----------------------------
+# 1/sqrt(C) for 1/sqrt(D) is right when H = 1, no scale when D = 1, a causal rule ignored or
+# imposed when T = 1, a split or merge by a bare reshape when H = 1 or T = 1. The first two
+# cases (causal and not) have T >= 2, H >= 2 and D >= 2, and catch every typical mistake.
+
+def _mha_case(name, b, t, h, d, causal, gen, dtype=torch.float32):
     c = h * d
-    for causal in (True, False):
-        x = randn(b, t, c, seed=gen)
-        weights = tuple(randn(c, c, seed=gen, scale=c ** -0.5) for _ in range(4))
-        yield Case(f"B={b}, T={t}, C={c}, H={h}, causal={causal}", (x, *weights, h, causal))
+    x = randn(b, t, c, seed=gen, dtype=dtype)
+    weights = tuple(randn(c, c, seed=gen, dtype=dtype, scale=c ** -0.5) for _ in range(4))
+    return Case(f"{name}B={b}, T={t}, C={c}, H={h}, causal={causal}", (x, *weights, h, causal))
 
 
-@hidden("ch04.mha_cost")
+def _heads(case):
+    return case.args[5]
+
+
+@hidden("ch04.multi_head_attention", regimes={
+    "causal": lambda case: case.args[6] is True,
+    "not causal": lambda case: case.args[6] is False,
+    "H > 1 and D > 1, T > 1": lambda case: 1 < _heads(case) < _x(case).shape[2]
+        and _x(case).shape[1] > 1,
+    "H = 1 (one head of width C)": lambda case: _heads(case) == 1,
+    "D = 1 (heads of width 1)": lambda case: 1 < _heads(case) == _x(case).shape[2],
+    "T = 1 (one token)": lambda case: _x(case).shape[1] == 1,
+    "B = 1": lambda case: _x(case).shape[0] == 1,
+    "B > 1": lambda case: _x(case).shape[0] > 1,
+    "float32": _dtype(torch.float32),
+    "float64": _dtype(torch.float64),
+})
+def _(gen):
+    b, t, h, d = randint(2, 3, gen), randint(2, 9, gen), randint(2, 5, gen), randint(2, 6, gen)
+    yield _mha_case("", b, t, h, d, True, gen)
+    b, t, h, d = randint(1, 3, gen), randint(2, 9, gen), randint(2, 5, gen), randint(2, 6, gen)
+    yield _mha_case("", b, t, h, d, False, gen)
+    t, h, d = randint(2, 8, gen), randint(2, 4, gen), randint(2, 4, gen)
+    yield _mha_case("float64, ", 1, t, h, d, bool(randint(0, 1, gen)), gen, torch.float64)
+    b, t, c = randint(1, 2, gen), randint(2, 6, gen), randint(2, 8, gen)
+    yield _mha_case("one head, ", b, t, 1, c, bool(randint(0, 1, gen)), gen)
+    b, t, h = randint(1, 2, gen), randint(2, 6, gen), randint(2, 6, gen)
+    yield _mha_case("heads of width 1, ", b, t, h, 1, bool(randint(0, 1, gen)), gen)
+    b, h, d = randint(1, 3, gen), randint(2, 4, gen), randint(2, 4, gen)
+    yield _mha_case("T=1, ", b, 1, h, d, bool(randint(0, 1, gen)), gen)
+
+
+# --- mha_cost: C, H, T -------------------------------------------------------------------------
+
+def _head_dim(case):
+    return case.kwargs["C"] // case.kwargs["H"]
+
+
+@hidden("ch04.mha_cost", regimes={
+    "a short sequence, T < D": lambda case: case.kwargs["T"] < _head_dim(case),
+    "D < T < C (below the crossover T = 2C)":
+        lambda case: _head_dim(case) < case.kwargs["T"] < case.kwargs["C"],
+    "a long sequence, T > 2C": lambda case: case.kwargs["T"] > 2 * case.kwargs["C"],
+})
 def _(gen):
     """One set of sizes in each regime, H >= 2 and H dividing C. Every typical mistake of the
     exercise differs from the right count when H > 1, D != T and C != T, which each regime

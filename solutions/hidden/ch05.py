@@ -1,5 +1,8 @@
 """Hidden cases of chapter 5: drawn by the grader with a fresh seed for every notebook it grades.
-Private to instructors: never published with the course (see book/instructors.md)."""
+Private to instructors: never published with the course (see book/instructors.md).
+
+Every generator names its regimes (``@hidden(key, regimes=...)``, predicates on a case) and
+draws a case inside each of them on every seed, the sizes drawn at random inside the regime."""
 
 import torch
 
@@ -8,29 +11,103 @@ from course_attn.grading.ch05 import PREDICTIONS, SAME_SCORE_OPTIONS
 from course_attn.grading.exercise import Case, hidden
 
 
-@hidden("ch05.rope_angles")
+def _consecutive(positions):
+    return bool((positions.diff() == 1).all())
+
+
+def _base(case):
+    return case.kwargs.get("base", 10000.0)
+
+
+# --- rope_angles: positions (T,), head_dim, base -------------------------------------------------
+# Frequencies with -i/D or +2i/D show only when D >= 4 and a position is not 0, pairs counted
+# from 1 only at a position other than 0; the transposed (D/2, T) table has the right shape
+# only when T = D/2. The first case (positions 0..T-1, T >= 2, D >= 4) catches every typical
+# mistake on every seed. Positions stay below 4096 and
+# the base below 10⁶, where θ computed in float32 is within the tolerance.
+
+@hidden("ch05.rope_angles", regimes={
+    "positions 0 .. T-1 (a prompt), T > 1":
+        lambda case: len(case.args[0]) > 1 and int(case.args[0][0]) == 0
+        and _consecutive(case.args[0]),
+    "consecutive positions from an offset > 0 (as a KV cache passes them)":
+        lambda case: len(case.args[0]) > 1 and int(case.args[0][0]) > 0
+        and _consecutive(case.args[0]),
+    "positions not consecutive, in any order": lambda case: not _consecutive(case.args[0]),
+    "T = 1 (one position)": lambda case: len(case.args[0]) == 1,
+    "D = 2 (one pair, θ₀ = 1)": lambda case: case.args[1] == 2,
+    "D >= 4": lambda case: case.args[1] >= 4,
+    "the default base 10000": lambda case: "base" not in case.kwargs,
+    "another base": lambda case: _base(case) != 10000.0,
+})
 def _(gen):
-    t, d, start = randint(2, 12, gen), 2 * randint(2, 32, gen), randint(0, 500, gen)
+    t, d = randint(2, 12, gen), 2 * randint(2, 32, gen)
+    yield Case(f"positions 0..{t - 1}, D={d}", (torch.arange(t), d))
+    t, d, start = randint(2, 12, gen), 2 * randint(2, 32, gen), randint(1, 500, gen)
     yield Case(f"positions {start}..{start + t - 1}, D={d}", (torch.arange(start, start + t), d))
-    positions = torch.randint(0, 4096, (randint(1, 8, gen),), generator=gen)
+    n, d = randint(2, 8, gen), 2 * randint(2, 32, gen)
+    steps = torch.randint(2, 500, (n,), generator=gen)      # gaps of 2 or more: not consecutive
+    positions = steps.cumsum(0) - steps[0] + randint(0, 500, gen)
+    positions = positions[torch.randperm(n, generator=gen)]
     base = float(randint(2, 1_000_000, gen))
-    yield Case(f"random positions, D={d}, base={base:g}", (positions, d), {"base": base})
+    yield Case(f"positions {positions.tolist()}, D={d}, base={base:g}", (positions, d),
+               {"base": base})
+    position, d = randint(0, 4000, gen), 2 * randint(2, 32, gen)
+    yield Case(f"one position, {position}, D={d}", (torch.tensor([position]), d))
+    t, start = randint(2, 12, gen), randint(0, 100, gen)
+    yield Case(f"D=2, positions {start}..{start + t - 1}", (torch.arange(start, start + t), 2))
 
 
-@hidden("ch05.apply_rope")
+# --- apply_rope: x (B, H, T, D), base ----------------------------------------------------------
+# With T = 1 the one token sits at position 0 and is not turned: turning by -tθ, the
+# interleaved pairs and the frequencies with -i/D or +2i/D are right there, and the last three
+# are right with D = 2 too. The first case (T >= 2, D >= 4) catches every typical mistake on
+# every seed.
+
+def _shape(case):
+    return case.args[0].shape
+
+
+@hidden("ch05.apply_rope", regimes={
+    "T > 1 and D >= 4": lambda case: _shape(case)[2] > 1 and _shape(case)[3] >= 4,
+    "T = 1 (one token, at position 0: unchanged)": lambda case: _shape(case)[2] == 1,
+    "D = 2 (one pair)": lambda case: _shape(case)[3] == 2,
+    "B·H > 1 (cos and sin broadcast over the batch and the heads)":
+        lambda case: _shape(case)[0] * _shape(case)[1] > 1,
+    "the default base 10000": lambda case: "base" not in case.kwargs,
+    "another base": lambda case: _base(case) != 10000.0,
+    "float32": lambda case: case.args[0].dtype == torch.float32,
+    "float64": lambda case: case.args[0].dtype == torch.float64,
+})
 def _(gen):
-    b, h, t, d = randint(1, 2, gen), randint(1, 3, gen), randint(2, 16, gen), 2 * randint(2, 16, gen)
+    b, h, t = randint(2, 3, gen), randint(1, 3, gen), randint(2, 16, gen)
+    d = 2 * randint(2, 16, gen)
     yield Case(f"B={b}, H={h}, T={t}, D={d}", (randn(b, h, t, d, seed=gen),))
+    h, t, d = randint(1, 3, gen), randint(2, 16, gen), 2 * randint(2, 16, gen)
     base = float(randint(10, 100_000, gen))
-    yield Case(f"float64, T={t}, D={d}, base={base:g}",
+    yield Case(f"float64, H={h}, T={t}, D={d}, base={base:g}",
                (randn(1, h, t, d, seed=gen, dtype=torch.float64),), {"base": base})
+    b, h, d = randint(1, 3, gen), randint(1, 3, gen), 2 * randint(1, 16, gen)
+    yield Case(f"T=1, B={b}, H={h}, D={d}", (randn(b, h, 1, d, seed=gen),))
+    h, t = randint(1, 3, gen), randint(2, 12, gen)
+    yield Case(f"D=2, H={h}, T={t}", (randn(1, h, t, 2, seed=gen),))
 
 
-@hidden("ch05.pairing_permutation")
+# --- pairing_permutation: head_dim ---------------------------------------------------------------
+# The inverse permutation is right when D <= 4 (there the permutation is its own inverse), the
+# identity when D = 2: the cases with D/2 odd and even both have D >= 6.
+
+@hidden("ch05.pairing_permutation", regimes={
+    "D = 2 (one pair: the two layouts agree)": lambda case: case.args[0] == 2,
+    "D/2 odd, D >= 6": lambda case: case.args[0] >= 6 and case.args[0] // 2 % 2 == 1,
+    "D/2 even, D >= 8": lambda case: case.args[0] >= 8 and case.args[0] // 2 % 2 == 0,
+})
 def _(gen):
-    d = 2 * randint(3, 64, gen)
+    yield Case("D=2", (2,))
+    d = 2 * (2 * randint(1, 31, gen) + 1)
     yield Case(f"D={d}", (d,))
-    yield Case(f"D={d + 2}", (d + 2,))
+    d = 4 * randint(2, 32, gen)
+    yield Case(f"D={d}", (d,))
 
 
 # ch05.rope_predictions: one set of sizes and positions in each of three regimes, on every seed:
@@ -54,7 +131,22 @@ _REGIMES = (
 )
 
 
-@hidden("ch05.rope_predictions")
+def _in(value, bounds):
+    return bounds[0] <= value <= bounds[1]
+
+
+def _inside(half, bases, keys, offsets):
+    """Whether a case's sizes and positions lie in a regime's ranges."""
+    def inside(case):
+        size = case.kwargs
+        return (size["head_dim"] % 2 == 0 and _in(size["head_dim"] // 2, half)
+                and _in(size["base"], bases) and _in(size["n"], keys)
+                and _in(size["m"] - size["n"], offsets))
+    return inside
+
+
+@hidden("ch05.rope_predictions",
+        regimes={name: _inside(*ranges) for name, *ranges in _REGIMES})
 def _(gen):
     for _name, half, bases, keys, offsets in _REGIMES:
         head_dim, base = 2 * randint(*half, gen), float(randint(*bases, gen))

@@ -1,5 +1,8 @@
 """Hidden cases of chapter 6: drawn by the grader with a fresh seed for every notebook it grades.
-Private to instructors: never published with the course (see book/instructors.md)."""
+Private to instructors: never published with the course (see book/instructors.md).
+
+Every generator names its regimes (``@hidden(key, regimes=...)``, predicates on a case) and
+draws a case inside each of them on every seed, the sizes drawn at random inside the regime."""
 
 import torch
 
@@ -8,39 +11,131 @@ from course_attn.grading.ch06 import LIMITS
 from course_attn.grading.exercise import Case, hidden
 
 
-@hidden("ch06.rms_norm")
+def _dtype(dtype):
+    return lambda case: case.args[0].dtype == dtype
+
+
+def _uniform(*shape, low, high, gen, dtype=torch.float32):
+    """Numbers drawn uniformly in [low, high]."""
+    return (low + (high - low) * torch.rand(*shape, generator=gen, dtype=torch.float64)).to(dtype)
+
+
+# --- rms_norm: x (..., D), weight (D,) or None, eps -------------------------------------------
+# A weight forgotten shows only with a weight; eps outside the root only where eps is not
+# small beside mean(x²); LayerNorm only where the vectors' means are far from 0; the mean over
+# the first axis only where that axis is longer than 1. Each regime's case keeps its own: the
+# cases together catch every typical mistake on every seed.
+
+@hidden("ch06.rms_norm", regimes={
+    "no weight": lambda case: len(case.args) == 1 and case.kwargs.get("weight") is None,
+    "a weight (D,)": lambda case: len(case.args) > 1 and case.args[1] is not None,
+    "eps given, larger than mean(x²)": lambda case: "eps" in case.kwargs
+        and case.kwargs["eps"] > case.args[0].pow(2).mean().item(),
+    "every vector's mean far from 0 (not LayerNorm)":
+        lambda case: case.args[0].mean(-1).abs().min().item() > 1,
+    "x (B, H, T, D): four axes": lambda case: case.args[0].dim() == 4,
+    "float32": _dtype(torch.float32),
+    "float64": _dtype(torch.float64),
+})
 def _(gen):
     b, t, d = randint(2, 4, gen), randint(2, 6, gen), randint(2, 16, gen)
     x = randn(b, t, d, seed=gen, scale=1.0 + 3.0 * torch.rand((), generator=gen).item())
     yield Case(f"x ({b}, {t}, {d}), no weight", (x,))
-    w = randn(d, seed=gen, dtype=torch.float64)
-    yield Case(f"x ({b}, {t}, {d}) float64 + 2, with a weight",
-               (2.0 + x.double(), w))
-    yield Case(f"small x ({t}, {d}) with eps=0.05 and a weight",
-               (randn(t, d, seed=gen, scale=0.1), w.float()), {"eps": 0.05})
+    b, h, t, d = randint(1, 2, gen), randint(1, 3, gen), randint(2, 5, gen), randint(2, 16, gen)
+    offset = (1 if randint(0, 1, gen) else -1) * (2.0 + 3.0 * torch.rand((), generator=gen).item())
+    x = _uniform(b, h, t, d, low=offset - 0.5, high=offset + 0.5, gen=gen, dtype=torch.float64)
+    yield Case(f"x ({b}, {h}, {t}, {d}) float64 near {offset:.2f}, with a weight",
+               (x, randn(d, seed=gen, dtype=torch.float64)))
+    t, d, eps = randint(2, 6, gen), randint(2, 16, gen), randint(2, 10, gen) / 100
+    yield Case(f"small x ({t}, {d}) with eps={eps:g} and a weight",
+               (_uniform(t, d, low=-0.1, high=0.1, gen=gen), randn(d, seed=gen)), {"eps": eps})
 
 
-@hidden("ch06.qk_norm_attention")
+# --- qk_norm_attention: q, k, v, q_weight, k_weight, is_causal ------------------------------------
+# The checks use is_causal with Tq = Tk only (the notebook says so). No scale is right when
+# D = 1, the gains forgotten when they are all 1; the first case (H >= 2, T >= 2, D >= 2,
+# gains drawn at random) catches every typical mistake on every seed.
+
+def _sizes(case):
+    q, k, v = case.args[:3]
+    return q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+
+
+def _causal(case):
+    return bool(case.kwargs.get("is_causal", False))
+
+
+@hidden("ch06.qk_norm_attention", regimes={
+    "causal, Tq = Tk": lambda case: _causal(case),
+    "not causal, Tq = Tk > 1":
+        lambda case: not _causal(case) and _sizes(case)[0] == _sizes(case)[1] > 1,
+    "Tq < Tk (not causal)": lambda case: not _causal(case) and _sizes(case)[0] < _sizes(case)[1],
+    "Tq > Tk (not causal)": lambda case: not _causal(case) and _sizes(case)[0] > _sizes(case)[1],
+    "Tq = 1 (one query)": lambda case: _sizes(case)[0] == 1,
+    "Dv != D": lambda case: _sizes(case)[2] != _sizes(case)[3],
+    "float32": _dtype(torch.float32),
+    "float64": _dtype(torch.float64),
+})
 def _(gen):
+    def attention(b, h, tq, tk, d, dv, dtype, scale_k=3.0):
+        q = randn(b, h, tq, d, seed=gen, dtype=dtype, scale=3.0)
+        k = randn(b, h, tk, d, seed=gen, dtype=dtype, scale=scale_k)
+        v = randn(b, h, tk, dv, seed=gen, dtype=dtype)
+        gains = randn(d, seed=gen, dtype=dtype), randn(d, seed=gen, dtype=dtype)
+        return (q, k, v, *gains)
+
     b, h, t, d = randint(1, 2, gen), randint(2, 4, gen), randint(2, 8, gen), randint(2, 12, gen)
-    q, k, v = (randn(b, h, t, d, seed=gen, dtype=torch.float64, scale=3.0) for _ in range(3))
-    qw, kw = randn(d, seed=gen, dtype=torch.float64), randn(d, seed=gen, dtype=torch.float64)
-    causal = bool(randint(0, 1, gen))
-    yield Case(f"B={b}, H={h}, T={t}, D={d}, is_causal={causal}", (q, k, v, qw, kw),
-               {"is_causal": causal})
-    tk, dv = randint(2, 9, gen), randint(1, 6, gen)
-    k2, v2 = randn(b, h, tk, d, seed=gen, scale=10.0), randn(b, h, tk, dv, seed=gen)
-    yield Case(f"Tq={t}, Tk={tk}, Dv={dv}, float32", (q.float(), k2, v2, qw.float(), kw.float()))
+    yield Case(f"float64, causal, B={b}, H={h}, T={t}, D={d}",
+               attention(b, h, t, t, d, d, torch.float64), {"is_causal": True})
+    b, h, t, d = randint(1, 2, gen), randint(1, 4, gen), randint(2, 8, gen), randint(2, 12, gen)
+    yield Case(f"float64, B={b}, H={h}, T={t}, D={d}", attention(b, h, t, t, d, d, torch.float64))
+    tk, d, dv = randint(3, 9, gen), randint(2, 12, gen), randint(1, 5, gen)
+    dv += dv >= d                                                  # 1..6, never D
+    tq, h = randint(2, tk - 1, gen), randint(1, 3, gen)
+    yield Case(f"Tq={tq} < Tk={tk}, D={d}, Dv={dv}, keys of size 10, float32",
+               attention(1, h, tq, tk, d, dv, torch.float32, scale_k=10.0))
+    tq, d, h = randint(3, 9, gen), randint(2, 12, gen), randint(1, 3, gen)
+    tk = randint(1, tq - 1, gen)
+    yield Case(f"Tq={tq} > Tk={tk}, D={d}, float32", attention(2, h, tq, tk, d, d, torch.float32))
+    tk, d, h = randint(1, 8, gen), randint(2, 8, gen), randint(2, 4, gen)
+    yield Case(f"one query, Tk={tk}, H={h}, D={d}, float32",
+               attention(randint(1, 2, gen), h, 1, tk, d, d, torch.float32))
 
 
-@hidden("ch06.softcap")
+# --- softcap: scores, cap ------------------------------------------------------------------------
+# With cap >= 2, cap·tanh(s), tanh(s/cap) and tanh(s/cap)/cap differ from the answer on any
+# score but 0; the clip differs most beyond ±cap (the first case), and inside by about
+# (s/cap)²/3 of s, which float64 shows (the second).
+
+def _scores(case):
+    return case.args[0]
+
+
+@hidden("ch06.softcap", regimes={
+    "scores far beyond ±cap (the tanh saturates)":
+        lambda case: _scores(case).abs().max().item() > 2 * case.args[1],
+    "every score inside (-cap, cap)": lambda case: _scores(case).abs().max().item() < case.args[1],
+    "a cap that is not a whole number": lambda case: case.args[1] != int(case.args[1]),
+    "scores (B, H, Tq, Tk)": lambda case: _scores(case).dim() == 4,
+    "float32": _dtype(torch.float32),
+    "float64": _dtype(torch.float64),
+})
 def _(gen):
     cap = float(randint(2, 60, gen))
     shape = (randint(1, 4, gen), randint(1, 8, gen))
-    yield Case(f"cap={cap:g}, scores ~ ±{3 * cap:g}", (randn(*shape, seed=gen, scale=3 * cap),
-                                                       cap))
-    yield Case(f"cap={cap:g}, small scores, float64",
-               (randn(*shape, seed=gen, scale=cap / 4, dtype=torch.float64), cap))
+    scores = randn(*shape, seed=gen, scale=3 * cap)
+    far = (1 if randint(0, 1, gen) else -1) * cap * (2.5 + 2.5 * torch.rand((), generator=gen))
+    scores.view(-1)[randint(0, scores.numel() - 1, gen)] = far      # at least one beyond 2·cap
+    yield Case(f"cap={cap:g}, scores ~ ±{3 * cap:g}", (scores, cap))
+    cap = float(randint(2, 60, gen))
+    shape = (randint(1, 4, gen), randint(1, 8, gen))
+    yield Case(f"cap={cap:g}, scores inside ±{0.9 * cap:g}, float64",
+               (_uniform(*shape, low=-0.9 * cap, high=0.9 * cap, gen=gen, dtype=torch.float64),
+                cap))
+    cap = randint(2, 60, gen) + randint(1, 9, gen) / 10
+    shape = (randint(1, 2, gen), randint(1, 3, gen), randint(1, 5, gen), randint(1, 5, gen))
+    yield Case(f"cap={cap:g}, scores {shape} ~ ±{2 * cap:g}",
+               (randn(*shape, seed=gen, scale=2 * cap), cap))
 
 
 # ch06.qk_norm_limits: one set of sizes, gains and a target weight in each of three regimes, on
@@ -85,7 +180,17 @@ def _gains(d, gen):
     return [pairs[i][0] for i in order], [pairs[i][1] for i in order]
 
 
-@hidden("ch06.qk_norm_limits")
+def _inside(dims, keys, weights):
+    """Whether a case's D, T and weight lie in a regime's ranges."""
+    def inside(case):
+        size = case.kwargs
+        return (dims[0] <= size["D"] <= dims[1] and keys[0] <= size["T"] <= keys[1]
+                and weights[0] <= round(size["weight"] * 100) <= weights[1])
+    return inside
+
+
+@hidden("ch06.qk_norm_limits",
+        regimes={name: _inside(*ranges) for name, *ranges in _LIMIT_REGIMES})
 def _(gen):
     for _name, dims, keys, weights in _LIMIT_REGIMES:
         d, t, weight = randint(*dims, gen), randint(*keys, gen), _hundredths(*weights, gen)
