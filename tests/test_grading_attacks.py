@@ -535,7 +535,7 @@ ATTACKS = {
     "hits_cleared_after_the_call": Attack(
         "issue 8/18: the guard found through torch's mode stack, its hits cleared after the call",
         "03_d", "ch03-padding_mask", HITS_CLEARED_AFTER_THE_CALL,
-        banned("course_attn.masks.padding_mask")),
+        banned("course_attn.masks.padding_mask"), (DISPATCH,)),
     "guard_disarmed_before_the_call": Attack(
         "issue 8/18: the guard found through torch's mode stack and disarmed (armed = False)",
         "03_e", "ch03-padding_mask", GUARD_DISARMED, SWITCHED,

@@ -479,9 +479,11 @@ def test_a_hit_reported_by_file_counts_even_if_the_answer_says_none():
                                      "does not allow: write the computation yourself")
     passed, reason, flags = verdict(correct_answer(), hits=[harness.SWITCHED_OFF])
     assert reason == ("switches off the check of the operations it runs (torch's modes popped "
-                      "off their stacks during the call), which no exercise allows")
+                      "off their stacks, or the guard disarmed, during the call), which no "
+                      "exercise allows")
     assert flags == ["ch03-causal_mask: the submission switched off the check of the operations "
-                     "it runs (torch's modes popped off their stacks during the call)"]
+                     "it runs (torch's modes popped off their stacks, or the guard disarmed, "
+                     "during the call)"]
 
 
 def test_errors_read_as_what_went_wrong():
