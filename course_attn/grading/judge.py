@@ -162,9 +162,11 @@ def format_judgement(judgement: Judgement) -> str:
     if judgement.not_implemented:
         return f"{judgement.key}: not answered yet ({len(judgement.results)} checks waiting)"
     passed = sum(r.passed for r in judgement.results)
-    lines = [f"{judgement.key}: {passed}/{len(judgement.results)} checks passed"]
-    if judgement.banned:
-        lines.append(f"  ✗ {judgement.reason()}")
+    if judgement.banned:  # failed first: the checks below cannot make up for it
+        lines = [f"{judgement.key}: failed: it {judgement.reason()}",
+                 f"  (apart from that, {passed}/{len(judgement.results)} checks passed)"]
+    else:
+        lines = [f"{judgement.key}: {passed}/{len(judgement.results)} checks passed"]
     for r in judgement.results:
         lines.append(f"  {'✓' if r.passed else '✗'} {r.name}")
         if not r.passed:
