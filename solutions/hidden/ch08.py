@@ -8,29 +8,96 @@ from course_attn.grading.ch08 import SAVINGS, _chunks, _step_case
 from course_attn.grading.exercise import Case, hidden
 
 
-@hidden("ch08.fill_cache")
+def _shuffled(items, gen):
+    return [items[i] for i in torch.randperm(len(items), generator=gen).tolist()]
+
+
+def _other_than(n, low, high, gen):
+    """An int in [low, high] other than ``n`` (high > low)."""
+    m = randint(low, high - 1, gen)
+    return m + 1 if m >= n else m
+
+
+# ch08.fill_cache: a first chunk of 2 to 4 tokens (so moving the length on by one per chunk is
+# wrong) and at least one chunk after it (so writing every chunk at 0, or returning the new
+# chunk only, is wrong); one float32 case with room left over (the whole buffers are wrong)
+# and one float64 case (float32 buffers are wrong).
+def _sizes(case, first=0):
+    """The lengths of a case's chunks, from chunk ``first`` on."""
+    return [k.shape[2] for k in case.args[0][first:]]
+
+
+@hidden("ch08.fill_cache", regimes={
+    "float32 chunks": lambda case: case.args[0][0].dtype == torch.float32,
+    "float64 chunks": lambda case: case.args[0][0].dtype == torch.float64,
+    "room left after the last chunk (cache not full)":
+        lambda case: case.args[2] > sum(_sizes(case, 0)),
+    "room for exactly the chunks (cache full)":
+        lambda case: case.args[2] == sum(_sizes(case, 0)),
+    "single-token chunks after the first (decode steps)": lambda case: 1 in _sizes(case, 1),
+    "a chunk of several tokens after the first (a chunked prefill)":
+        lambda case: max(_sizes(case, 1)) > 1,
+    "B > 1": lambda case: case.args[0][0].shape[0] > 1,
+    "values of another width than the keys (Dv != D)":
+        lambda case: case.args[1][0].shape[-1] != case.args[0][0].shape[-1],
+})
 def _(gen):
-    b, h, d, dv = randint(1, 3, gen), randint(1, 3, gen), randint(2, 6, gen), randint(1, 5, gen)
-    sizes = [randint(2, 4, gen)] + [randint(1, 3, gen) for _ in range(randint(1, 3, gen))]
+    b, h, d = randint(2, 3, gen), randint(1, 3, gen), randint(2, 6, gen)
+    dv = _other_than(d, 1, 6, gen)
+    later = _shuffled([1, randint(2, 3, gen)] + [randint(1, 3, gen)
+                                                 for _ in range(randint(0, 2, gen))], gen)
+    sizes = [randint(2, 4, gen)] + later
     room = sum(sizes) + randint(1, 4, gen)
     ks, vs = _chunks(sizes, b, h, d, dv, seed=gen)
     yield Case(f"chunks {sizes}, B={b}, H={h}, D={d}, Dv={dv}, room for {room}", (ks, vs, room))
-    ks, vs = _chunks(sizes[::-1], 1, h, d, d, seed=gen, dtype=torch.float64)
-    yield Case(f"float64 chunks {sizes[::-1]}, room for exactly {sum(sizes)}",
-               (ks, vs, sum(sizes)))
+    sizes = [randint(2, 4, gen)] + [randint(1, 3, gen) for _ in range(randint(1, 3, gen))]
+    ks, vs = _chunks(sizes, 1, h, d, d, seed=gen, dtype=torch.float64)
+    yield Case(f"float64 chunks {sizes}, room for exactly {sum(sizes)}", (ks, vs, sum(sizes)))
 
 
-@hidden("ch08.decode_step")
+# ch08.decode_step: the cached length L > 0 in every case but the prefill (rotating at 0,
+# rotating the cached keys again or leaving out the cache is wrong only there), chunks of
+# T_new > 1 (a top-left or a missing causal mask is wrong only there), tables longer than
+# the sequence in the decode step and the float64 chunk (the last rows of the tables are
+# wrong only there), Dv = D in those two (rotating the values is wrong only there).
+def _step(rule):
+    """A regime of decode_step: ``rule`` of the sizes of a case (B, T_new, L, D, Dv, the P
+    positions of the tables, the dtype)."""
+    def inside(case):
+        q, k_past, v_past, cos = case.args[0], case.args[3], case.args[4], case.args[5]
+        return rule(B=q.shape[0], T_new=q.shape[2], L=k_past.shape[2], D=q.shape[-1],
+                    Dv=v_past.shape[-1], P=cos.shape[0], dtype=q.dtype)
+    return inside
+
+
+@hidden("ch08.decode_step", regimes={
+    "one new token (T_new = 1, a decode step)": _step(lambda T_new, **_: T_new == 1),
+    "a chunk after a cache (T_new > 1, L > 0)": _step(lambda T_new, L, **_: T_new > 1 and L > 0),
+    "an empty cache (L = 0, a prefill)": _step(lambda L, **_: L == 0),
+    "tables longer than the sequence (P > L + T_new)":
+        _step(lambda P, L, T_new, **_: P > L + T_new),
+    "tables exactly as long as the sequence (P = L + T_new)":
+        _step(lambda P, L, T_new, **_: P == L + T_new),
+    "float32": _step(lambda dtype, **_: dtype == torch.float32),
+    "float64": _step(lambda dtype, **_: dtype == torch.float64),
+    "B > 1": _step(lambda B, **_: B > 1),
+    "values of another width than the keys (Dv != D)": _step(lambda D, Dv, **_: Dv != D),
+})
 def _(gen):
-    b, h, d = randint(1, 2, gen), randint(1, 3, gen), 2 * randint(2, 5, gen)
-    length, extra = randint(2, 9, gen), randint(1, 6, gen)
+    b, h, d = randint(2, 3, gen), randint(1, 3, gen), 2 * randint(2, 5, gen)
+    length = randint(2, 9, gen)
     yield _step_case(f"decode step after L={length}, B={b}, H={h}, D={d}", b, h, length, 1, d, d,
-                     extra, gen, "")
-    t_new, dv = randint(2, 5, gen), randint(1, 6, gen)
-    yield _step_case(f"a chunk of {t_new} after L={length}, Dv={dv}", b, h, length, t_new, d, dv,
-                     extra, gen, "")
+                     randint(1, 6, gen), gen, "")
+    t_new, dv = randint(2, 5, gen), _other_than(d, 1, 10, gen)
+    yield _step_case(f"a chunk of {t_new} after L={length}, Dv={dv}, tables for "
+                     f"{length + t_new} positions", randint(1, 2, gen), h, length, t_new, d, dv,
+                     0, gen, "")
+    t_new = randint(2, 5, gen)
     yield _step_case(f"float64, a chunk of {t_new} after L={length + 1}", 1, h, length + 1, t_new,
-                     d, d, extra, gen, "", dtype=torch.float64)
+                     d, d, randint(1, 6, gen), gen, "", dtype=torch.float64)
+    t_new = randint(2, 5, gen)
+    yield _step_case(f"a prefill of {t_new} into an empty cache", randint(1, 2, gen), h, 0, t_new,
+                     d, d, randint(0, 4, gen), gen, "")
 
 
 # ch08.decode_savings: one set of sizes in each regime on every seed, drawn inside it. The
@@ -43,7 +110,19 @@ def _(gen):
 #   one new token: N = 1, where the cached generation is the prefill alone.
 # Every count is a sum of at most N terms, so the student's arithmetic stays fast.
 
-@hidden("ch08.decode_savings")
+def _crossover(kw):
+    return 6 * kw["C"] + kw["V"] / (2 * kw["L"])
+
+
+@hidden("ch08.decode_savings", regimes={
+    "prefill-heavy: T below the crossover 6C + V / (2L), 1 < N < P":
+        lambda case: case.kwargs["T"] < _crossover(case.kwargs)
+        and 1 < case.kwargs["N"] < case.kwargs["P"],
+    "decode-heavy: T above the crossover, N > P":
+        lambda case: case.kwargs["T"] > _crossover(case.kwargs)
+        and case.kwargs["N"] > case.kwargs["P"],
+    "one new token: N = 1": lambda case: case.kwargs["N"] == 1,
+})
 def _(gen):
     c = 64 * randint(2, 24, gen)
     p = randint(64, 1024, gen)

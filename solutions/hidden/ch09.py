@@ -10,22 +10,62 @@ from course_attn.grading.exercise import Case, hidden
 INF = float("-inf")
 
 
-@hidden("ch09.online_softmax")
+# ch09.online_softmax: scores that grow along the rows (not rescaling the running sum is
+# wrong), a row that starts with -inf (a running max of -inf is wrong there), a row of -inf
+# (0 / 0 is wrong there), a score past exp's range in float32 (no max subtracted is wrong).
+def _masked(x):
+    return x == INF
+
+
+@hidden("ch09.online_softmax", regimes={
+    "the max grows along a row": lambda case: bool(
+        (case.args[0][..., 1:] > case.args[0][..., :-1].cummax(-1).values).any()),
+    "a score past exp's range in float32 (above 88)": lambda case: bool(
+        (case.args[0].masked_fill(_masked(case.args[0]), 0) > 88).any()),
+    "a row that starts with -inf and holds a finite score": lambda case: bool(
+        (_masked(case.args[0][..., 0]) & ~_masked(case.args[0]).all(-1)).any()),
+    "a row of -inf (a query with no key)": lambda case: bool(_masked(case.args[0]).all(-1).any()),
+    "batch dims (three or more dims)": lambda case: case.args[0].dim() >= 3,
+    "a single column": lambda case: case.args[0].shape[-1] == 1,
+    "float32": lambda case: case.args[0].dtype == torch.float32,
+    "float64": lambda case: case.args[0].dtype == torch.float64,
+})
 def _(gen):
     rows, cols = randint(2, 5, gen), randint(3, 9, gen)
-    x = randn(rows, cols, seed=gen, scale=float(randint(1, 5, gen)))
-    x = x + torch.arange(cols) * float(randint(1, 3, gen))         # the max moves along the row
-    yield Case(f"({rows}, {cols}) scores growing along the rows", (x,))
+    x = randn(rows, cols, seed=gen, scale=float(randint(1, 5, gen))).sort(-1).values
+    yield Case(f"({rows}, {cols}) scores growing along the rows", (x,))  # a new max each column
     x = randn(2, randint(1, 3, gen), cols, seed=gen, scale=300.0)
     x[0, 0, :randint(1, cols - 1, gen)] = INF
+    x[0, 0, -1] = float(randint(100, 1000, gen))               # exp overflows in float32
     x[1, -1] = INF
     yield Case(f"large scores, a row starting with -inf and a row of -inf, {cols} columns", (x,))
     yield Case("float64", (randn(rows, cols, seed=gen, dtype=torch.float64, scale=4.0),))
+    shape = (randint(1, 3, gen), randint(1, 4, gen), 1)
+    yield Case(f"a single column, shape {shape}", (randn(*shape, seed=gen, scale=3.0),))
 
 
-@hidden("ch09.merge_states")
+# ch09.merge_states: both sides hold keys in the first case (a max for the log-sum-exp, equal
+# or swapped weights are wrong there), rows empty on both sides (0 / 0 is wrong there),
+# log-sum-exps past float64's exp (the log of a sum of exps is wrong there).
+def _lse(case):
+    return case.args[1], case.args[3]
+
+
+@hidden("ch09.merge_states", regimes={
+    "both sides hold keys for every row": lambda case: bool(
+        all(lse.isfinite().all() for lse in _lse(case))),
+    "one side holds no key at all (lse = -inf)": lambda case: any(
+        bool((lse == INF).all()) for lse in _lse(case)),
+    "rows with no key on either side": lambda case: bool(
+        ((_lse(case)[0] == INF) & (_lse(case)[1] == INF)).any()),
+    "log-sum-exps past exp's range (above 709)": lambda case: any(
+        bool((lse.nan_to_num(neginf=0) > 709).any()) for lse in _lse(case)),
+    "float32": lambda case: case.args[0].dtype == torch.float32,
+    "float64": lambda case: case.args[0].dtype == torch.float64,
+    "B > 1": lambda case: case.args[0].shape[0] > 1,
+})
 def _(gen):
-    b, h, tq, d, dv = (randint(1, 2, gen), randint(1, 3, gen), randint(2, 5, gen),
+    b, h, tq, d, dv = (randint(2, 3, gen), randint(1, 3, gen), randint(2, 5, gen),
                        randint(2, 6, gen), randint(1, 5, gen))
     tk = randint(3, 10, gen)
     split = torch.randperm(tk, generator=gen) < randint(1, tk - 1, gen)  # both sides hold keys
@@ -41,26 +81,111 @@ def _(gen):
                                                            lse_b + shift))
 
 
-@hidden("ch09.tile_update")
+# ch09.tile_update: the first tile with a masked and a finite score in every row (returning
+# the old max is wrong there); the scores of a tile moved, row by row, above the running max
+# (not rescaling l or acc, or returning the old max, is wrong there) or below it (taking the
+# tile's max as m is wrong there); rows that have seen only -inf and see only -inf in this
+# tile (-inf - -inf is wrong there).
+def _moved(case, up, gen):
+    """``case`` (a tile_case) with each row's scores moved so that the row's new max lies above
+    its running max by 1 to 6 (``up``) or below it by 1 to 6; rows that have seen no key, or
+    see none in this tile, are left as they are."""
+    m, l, acc, scores, v = case.args
+    top = scores.amax(-1)
+    live = m.isfinite() & top.isfinite()
+    gap = 1.0 + 5.0 * torch.rand(m.shape, generator=gen, dtype=torch.float64).to(m.dtype)
+    target = m + gap if up else m - gap
+    shift = torch.where(live, target - top, torch.zeros_like(m))
+    return Case(case.name, (m, l, acc, scores + shift[..., None], v))
+
+
+def _half_masked(case, gen):
+    """``case`` (a tile_case) with, in every row, one score masked (-inf) and another finite
+    (drawn again if it was masked): a masked score beside finite ones, every row."""
+    m, l, acc, scores, v = case.args
+    bk = scores.shape[-1]
+    kept = torch.randint(0, bk, m.shape, generator=gen)
+    masked = (kept + torch.randint(1, bk, m.shape, generator=gen)) % bk     # never ``kept``
+    fresh = randn(*m.shape, seed=gen, dtype=scores.dtype, scale=2.0)
+    at = torch.arange(bk)
+    scores = torch.where((at == kept[..., None]) & (scores == INF), fresh[..., None], scores)
+    scores = scores.masked_fill(at == masked[..., None], INF)
+    return Case(case.name, (m, l, acc, scores, v))
+
+
+def _grows(case):
+    m, scores = case.args[0], case.args[3]
+    return m.isfinite() & (scores.amax(-1) > m)
+
+
+def _stays(case):
+    m, scores = case.args[0], case.args[3]
+    return m.isfinite() & scores.isfinite().any(-1) & (scores.amax(-1) < m)
+
+
+@hidden("ch09.tile_update", regimes={
+    "the first tile (an empty state, m = -inf)": lambda case: bool(
+        (case.args[0] == INF).all() and case.args[3].isfinite().any()),
+    "the max grows, every row": lambda case: bool(_grows(case).all()),
+    "the max stays, every row": lambda case: bool(_stays(case).all()),
+    "masked scores (-inf) in the tile beside finite ones": lambda case: bool(
+        ((case.args[3] == INF).any(-1) & case.args[3].isfinite().any(-1)).any()),
+    "rows that have seen no key and see none in this tile": lambda case: bool(
+        ((case.args[0] == INF) & (case.args[3] == INF).all(-1)).any()),
+    "float32": lambda case: case.args[0].dtype == torch.float32,
+    "float64": lambda case: case.args[0].dtype == torch.float64,
+})
 def _(gen):
     b, h, tq, bk, dv = (randint(1, 2, gen), randint(1, 3, gen), randint(2, 5, gen),
                         randint(2, 6, gen), randint(1, 5, gen))
     before = randint(1, 3, gen)
-    yield tile_case(f"a tile after {before}, the max growing, B={b}, H={h}, Tq={tq}, Bk={bk}",
-                    b, h, tq, bk, dv, before, gen, shift=float(randint(3, 8, gen)))
-    yield tile_case("the first tile, masked at random", b, h, tq, bk, dv, 0, gen, p_keep=0.6)
+    yield _moved(tile_case(f"a tile after {before}, the max growing, B={b}, H={h}, Tq={tq}, "
+                           f"Bk={bk}", b, h, tq, bk, dv, before, gen), True, gen)
+    yield _half_masked(tile_case("the first tile, masked at random", b, h, tq, bk, dv, 0, gen,
+                                 p_keep=0.6), gen)
     yield tile_case("dead rows after a masked tile", 1, h, 4, bk, dv, before, gen,
                     dead_rows=(randint(0, 3, gen),), p_keep=0.7)
-    yield tile_case("float64, the max growing", 1, h, tq, bk, dv, before, gen,
-                    dtype=torch.float64, shift=5.0)
-    yield tile_case(f"a tile after {before}, every score smaller: the max stays", b, h, tq, bk, dv,
-                    before, gen, shift=-float(randint(4, 8, gen)))
+    yield _moved(tile_case("float64, the max growing", 1, h, tq, bk, dv, before, gen,
+                           dtype=torch.float64), True, gen)
+    yield _moved(tile_case(f"a tile after {before}, every score smaller: the max stays", b, h,
+                           tq, bk, dv, before, gen), False, gen)
 
 
-@hidden("ch09.tile_mask")
+# ch09.tile_mask: partial last blocks, Bq != Bk, and Tk - Tq >= Bk, so that counting whole
+# blocks, comparing block numbers or aligning top-left each changes some tile; a square
+# causal case (one tile off the diagonal is wrong there); a window of W = k·B + 1 without
+# causality (the nearest query and key of some tile are exactly W apart: one key too many is
+# wrong there); a causal window shorter than the keys (ignoring it is wrong there).
+def _mask_regime(rule):
+    """A regime of tile_mask: ``rule`` of (tq, tk, bq, bk, causal, window)."""
+    def inside(case):
+        tq, tk, bq, bk = case.args
+        return rule(tq, tk, bq, bk, case.kwargs.get("is_causal", False),
+                    case.kwargs.get("window"))
+    return inside
+
+
+@hidden("ch09.tile_mask", regimes={
+    "causal, Tq = Tk": _mask_regime(lambda tq, tk, bq, bk, c, w: c and w is None and tq == tk),
+    "causal, Tq < Tk by at least a key block":
+        _mask_regime(lambda tq, tk, bq, bk, c, w: c and w is None and tk - tq >= bk),
+    "causal, Tq > Tk by more than a query block (rows with no key)":
+        _mask_regime(lambda tq, tk, bq, bk, c, w: c and w is None and tq - tk > bq),
+    "no mask (every tile)": _mask_regime(lambda tq, tk, bq, bk, c, w: not c and w is None),
+    "a causal window shorter than the keys":
+        _mask_regime(lambda tq, tk, bq, bk, c, w: c and w is not None and w < tk),
+    "a window at least as long as the keys":
+        _mask_regime(lambda tq, tk, bq, bk, c, w: w is not None and w >= tk),
+    "a window without causality":
+        _mask_regime(lambda tq, tk, bq, bk, c, w: not c and w is not None),
+    "partial last blocks (Tq or Tk not a multiple of its block)":
+        _mask_regime(lambda tq, tk, bq, bk, c, w: bool(tq % bq or tk % bk)),
+    "whole blocks only (Tq and Tk multiples of their blocks)":
+        _mask_regime(lambda tq, tk, bq, bk, c, w: tq % bq == 0 == tk % bk),
+    "query and key blocks of different sizes": _mask_regime(
+        lambda tq, tk, bq, bk, c, w: bq != bk),
+})
 def _(gen):
-    # Partial last blocks, Bq != Bk, and Tk - Tq >= Bk, so that counting whole blocks, comparing
-    # block numbers or aligning top-left each changes some tile.
     bq = randint(2, 5, gen)
     bk = bq + randint(1, 3, gen)
     tq = bq * randint(1, 4, gen) + randint(1, bq - 1, gen)
@@ -76,19 +201,45 @@ def _(gen):
     w = b * randint(1, 3, gen) + 1  # the nearest query and key of some tile are exactly W apart
     yield Case(f"a window of {w} without causality, {t} x {t}, blocks of {b}", (t, t, b, b),
                dict(is_causal=False, window=w))
+    bq, bk = randint(2, 4, gen), randint(2, 4, gen)
+    tk = bk * randint(1, 3, gen)
+    tq = tk + bq * randint(1, 3, gen) + randint(1, bq, gen)
+    yield Case(f"causal, Tq={tq} > Tk={tk}, blocks {bq} x {bk}", (tq, tk, bq, bk),
+               dict(is_causal=True))
+    bq, bk = randint(2, 4, gen), randint(2, 4, gen)
+    tq, tk = bq * randint(1, 4, gen), bk * randint(1, 4, gen)
+    yield Case(f"no mask, Tq={tq}, Tk={tk}, blocks {bq} x {bk}", (tq, tk, bq, bk),
+               dict(is_causal=False))
+    w = tk + randint(0, 4, gen)
+    yield Case(f"causal, a window of {w} >= Tk, Tq={tq}, Tk={tk}, blocks {bq} x {bk}",
+               (tq, tk, bq, bk), dict(is_causal=True, window=w))
 
 
-@hidden("ch09.flash_counts")
+# ch09.flash_counts: one set of sizes in each regime, on every seed; blocks are powers of two,
+# the rest is drawn inside the regime. Every set has at least two blocks (so counting every
+# tile, or reading K and V once, is wrong) and more query blocks than W // block (so the
+# W // block rule is wrong), except where the regime says otherwise.
+# 1. T and W multiples of the block, the window shorter than the sequence (the chapter's).
+# 2. Neither a multiple: a partial last block, and W mod block >= 2, where W // block + 1
+#    key blocks per query block is one too few.
+# 3. A window shorter than a block (2 <= W < block): still two key blocks per query block.
+# 4. A window at least as long as the sequence: every causal tile, T not a multiple.
+def _sized(rule):
+    """A regime of flash_counts: ``rule`` of the sizes T, block, W, D."""
+    return lambda case: rule(**case.kwargs)
+
+
+@hidden("ch09.flash_counts", regimes={
+    "T and W multiples of the block, W < T":
+        _sized(lambda T, block, W, D: T % block == 0 == W % block and W < T),
+    "a partial last block and W mod block >= 2, block < W < T":
+        _sized(lambda T, block, W, D: T % block != 0 and W % block >= 2 and block < W < T),
+    "a window shorter than a block (2 <= W < block)":
+        _sized(lambda T, block, W, D: 2 <= W < block),
+    "a window at least as long as the sequence, T not a multiple of the block":
+        _sized(lambda T, block, W, D: W >= T and T % block != 0),
+})
 def _(gen):
-    # One set of sizes in each regime, on every seed; blocks are powers of two, the rest is
-    # drawn inside the regime. Every set has at least two blocks (so counting every tile, or
-    # reading K and V once, is wrong) and more query blocks than W // block (so the W // block
-    # rule is wrong), except where the regime says otherwise.
-    # 1. T and W multiples of the block, the window shorter than the sequence (the chapter's).
-    # 2. Neither a multiple: a partial last block, and W mod block >= 2, where W // block + 1
-    #    key blocks per query block is one too few.
-    # 3. A window shorter than a block (2 <= W < block): still two key blocks per query block.
-    # 4. A window at least as long as the sequence: every causal tile, T not a multiple.
     def head():
         return 16 * randint(1, 16, gen)
 

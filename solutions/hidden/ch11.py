@@ -8,56 +8,145 @@ from course_attn.grading.ch11 import BUDGET, _block_case
 from course_attn.grading.exercise import Case, hidden
 
 
-@hidden("ch11.window_mask")
+# ch11.window_mask: a square case with W < T (one key too many or too few, a window both ways
+# and a causal mask only are wrong there), Tq < Tk and Tq > Tk + 1 (top-left is wrong there).
+def _window(rule):
+    """A regime of window_mask: ``rule`` of (tq, tk, w)."""
+    return lambda case: rule(*case.args)
+
+
+@hidden("ch11.window_mask", regimes={
+    "Tq = Tk, W < T": _window(lambda tq, tk, w: tq == tk and w < tk),
+    "Tq < Tk (queries at the end of the keys)": _window(lambda tq, tk, w: 1 < tq < tk),
+    "Tq > Tk by more than one (rows with no key)": _window(lambda tq, tk, w: tq > tk + 1),
+    "Tq = 1 (one decoding step)": _window(lambda tq, tk, w: tq == 1),
+    "W = Tk (the window just covers the keys)": _window(lambda tq, tk, w: w == tk),
+    "W > Tk (a causal mask)": _window(lambda tq, tk, w: w > tk),
+    "W = 1 (each query sees itself only)": _window(lambda tq, tk, w: w == 1),
+})
 def _(gen):
     t, w = randint(3, 12, gen), randint(2, 5, gen)
+    w = min(w, t - 1)
     yield Case(f"square, T={t}, W={w}", (t, t, w))
     tk = randint(w + 2, 14, gen)
-    yield Case(f"Tq=2, Tk={tk}, W={w}", (2, tk, w))
-    yield Case(f"Tq={tk}, Tk={tk - 2}, W={w}", (tk, tk - 2, w))
-    yield Case(f"W wider than T: T={t}, W={t + 2}", (t, t, t + 2))
+    tq = randint(2, tk - 1, gen)
+    yield Case(f"Tq={tq}, Tk={tk}, W={w}", (tq, tk, w))
+    tk = randint(2, 10, gen)
+    tq = tk + randint(2, 6, gen)
+    yield Case(f"Tq={tq}, Tk={tk}, W={w}", (tq, tk, w))
+    wide = t + randint(1, 4, gen)
+    yield Case(f"W wider than T: T={t}, W={wide}", (t, t, wide))
+    tk = randint(2, 12, gen)
+    yield Case(f"Tq=1, Tk={tk}, W={tk}", (1, tk, tk))
+    tq = randint(2, 10, gen)
+    tk = tq + randint(0, 3, gen)
+    yield Case(f"W=1, Tq={tq}, Tk={tk}", (tq, tk, 1))
 
 
-@hidden("ch11.rolling_index")
+# ch11.rolling_index: sinks not a multiple of the rolling slots (there, a turn counted from 0
+# or from ``sinks`` would agree); a sink itself (rolling the sinks is wrong there); positions
+# at and past the first wrap (a sink overwritten, the sinks' slots left out, the wrong phase
+# or slots past the buffer are each wrong on one of them).
+def _slot(rule):
+    """A regime of rolling_index: ``rule`` of (position, size, sinks)."""
+    return lambda case: rule(*case.args)
+
+
+@hidden("ch11.rolling_index", regimes={
+    "a sink itself (position < sinks)": _slot(lambda p, n, s: p < s),
+    "before the first wrap (sinks <= position < size)": _slot(lambda p, n, s: s <= p < n),
+    "the first wrap (position = size)": _slot(lambda p, n, s: p == n),
+    "a whole number of turns past the first wrap": _slot(
+        lambda p, n, s: p > n and (p - s) % (n - s) == 0),
+    "more than a turn past the first wrap, in the middle of a turn": _slot(
+        lambda p, n, s: p > n + (n - s) and (p - s) % (n - s) != 0),
+    "sinks, not a multiple of the rolling slots": _slot(lambda p, n, s: s % (n - s) != 0),
+    "no sinks": _slot(lambda p, n, s: s == 0),
+})
 def _(gen):
     rolling = randint(2, 7, gen)
-    # sinks not a multiple of rolling: there, a turn counted from 0 or from `sinks` would agree
     sinks = rolling * randint(0, 1, gen) + randint(1, rolling - 1, gen)
     size = sinks + rolling
-    for position in (randint(0, sinks - 1, gen), size, sinks + rolling * randint(1, 5, gen),
+    for position in (randint(0, sinks - 1, gen), randint(sinks, size - 1, gen), size,
+                     sinks + rolling * randint(2, 5, gen),
                      sinks + randint(1, rolling - 1, gen) + rolling * randint(2, 9, gen),
                      randint(size, 200, gen)):
         yield Case(f"position {position}, size {size}, {sinks} sinks", (position, size, sinks))
-    yield Case(f"position {size + 3}, size {size}, no sinks", (size + 3, size, 0))
+    size = randint(2, 8, gen)
+    position = randint(size, 60, gen)
+    yield Case(f"position {position}, size {size}, no sinks", (position, size, 0))
 
 
-@hidden("ch11.local_attention_block")
+# ch11.local_attention_block: a block longer than the window whose reach starts inside the
+# sequence (one key too late, W + 1 keys, only the future masked, top-left, the block at 0
+# are each wrong there); the keys out of reach NaN, with keys after the block too (reading
+# them is wrong there); a window reaching past position 0.
+def _block(rule):
+    """A regime of local_attention_block: ``rule`` of (q, k, v, start, window)."""
+    return lambda case: bool(rule(*case.args))
+
+
+@hidden("ch11.local_attention_block", regimes={
+    "the reach starts inside the sequence (start >= W - 1)":
+        _block(lambda q, k, v, start, w: start >= w - 1),
+    "the reach is cut at position 0 (start < W - 1)":
+        _block(lambda q, k, v, start, w: start < w - 1),
+    "a block longer than the window (Tb > W)": _block(lambda q, k, v, start, w: q.shape[2] > w),
+    "a block no longer than the window (Tb <= W)":
+        _block(lambda q, k, v, start, w: q.shape[2] <= w),
+    "keys out of reach hold NaN": _block(lambda q, k, v, start, w: k.isnan().any()),
+    "values of another width than the keys (Dv != D)":
+        _block(lambda q, k, v, start, w: v.shape[-1] != k.shape[-1]),
+    "float32": _block(lambda q, k, v, start, w: q.dtype == torch.float32),
+    "float64": _block(lambda q, k, v, start, w: q.dtype == torch.float64),
+})
 def _(gen):
     b, h, d = randint(1, 2, gen), randint(1, 3, gen), randint(2, 8, gen)
-    w, tb = randint(2, 5, gen), randint(2, 6, gen)
+    w = randint(2, 4, gen)
+    tb = w + randint(1, 3, gen)
     start = randint(w, 3 * w, gen)
-    t = start + tb + randint(1, 6, gen)
+    t = start + tb + randint(0, 6, gen)
     yield _block_case(f"start={start}, Tb={tb}, T={t}, W={w}", b, h, t, tb, start, w, d, d, gen,
                       "")
-    yield _block_case(f"keys out of reach are NaN: start={start}, Tb={tb}, W={w}", 1, h, t, tb,
-                      start, w, d, randint(1, 6, gen), gen, "", poison=True)
-    yield _block_case(f"float64, start=1, Tb={tb}, W={w + 3}", 1, 1, t, tb, 1, w + 3, d, d, gen,
-                      "", dtype=torch.float64)
+    w = randint(2, 6, gen)
+    tb, start = randint(2, w, gen), randint(w, 3 * w, gen)
+    t = start + tb + randint(1, 6, gen)
+    dv = randint(1, d - 1, gen) if d > 2 else d + randint(1, 4, gen)
+    yield _block_case(f"keys out of reach are NaN: start={start}, Tb={tb}, T={t}, W={w}, "
+                      f"Dv={dv}", 1, h, t, tb, start, w, d, dv, gen, "", poison=True)
+    w = randint(3, 8, gen)
+    tb, start = randint(2, 6, gen), randint(1, w - 2, gen)
+    t = start + tb + randint(0, 4, gen)
+    yield _block_case(f"float64, start={start}, Tb={tb}, T={t}, W={w}", 1, 1, t, tb, start, w,
+                      d, d, gen, "", dtype=torch.float64)
 
 
-@hidden("ch11.window_budget")
+# ch11.window_budget: one set of sizes in each regime, on every seed, the rest drawn at random
+# inside it (W from 16 to 4096, L from 2 to 64, so that one layer or W per layer is wrong):
+# 1. W divides T, T = k·W with k >= 2: the layers overshoot position 0; grouped-query
+#    attention (H = g·H_kv, g >= 2).
+# 2. The layers reach position 0 exactly, T - 1 = k·(W - 1) (W does not divide T), where
+#    leaving out the position itself needs one layer more; multi-query (H_kv = 1).
+# 3. T past a multiple of W - 1 and short of the next one: the layers overshoot, T at
+#    random in between (W divides it only by chance); grouped-query attention.
+# 4. A sequence no longer than the window: one layer covers it, and every query sees
+#    every key before it (the full causal count); grouped-query attention.
+# H != H_kv everywhere, so sizing the cache for the query heads is wrong.
+def _sized(rule):
+    """A regime of window_budget: ``rule`` of the sizes T, W, L, H, H_kv, D, nbytes."""
+    return lambda case: rule(**case.kwargs)
+
+
+@hidden("ch11.window_budget", regimes={
+    "W divides T (T = k·W, k >= 2), grouped-query":
+        _sized(lambda T, W, H_kv, **_: T % W == 0 and T >= 2 * W and H_kv > 1),
+    "the layers reach position 0 exactly ((T - 1) % (W - 1) = 0, T > W), multi-query":
+        _sized(lambda T, W, H_kv, **_: (T - 1) % (W - 1) == 0 and T > W and H_kv == 1),
+    "T between multiples of W - 1, T > W, grouped-query":
+        _sized(lambda T, W, H_kv, **_: (T - 1) % (W - 1) != 0 and T > W and H_kv > 1),
+    "a sequence no longer than the window (T <= W)": _sized(lambda T, W, **_: T <= W),
+})
 def _(gen):
-    # One set of sizes in each regime, on every seed, the rest drawn at random inside it
-    # (W from 16 to 4096, L from 2 to 64, so that one layer or W per layer is wrong):
-    # 1. W divides T, T = k·W with k >= 2: the layers overshoot position 0; grouped-query
-    #    attention (H = g·H_kv, g >= 2).
-    # 2. The layers reach position 0 exactly, T - 1 = k·(W - 1) (W does not divide T), where
-    #    leaving out the position itself needs one layer more; multi-query (H_kv = 1).
-    # 3. T past a multiple of W - 1 and short of the next one: the layers overshoot, T at
-    #    random in between (W divides it only by chance); grouped-query attention.
-    # 4. A sequence no longer than the window: one layer covers it, and every query sees
-    #    every key before it (the full causal count); grouped-query attention.
-    # H != H_kv everywhere, so sizing the cache for the query heads is wrong.
     def model(h_kv):
         return dict(L=randint(2, 64, gen), H=h_kv * randint(2, 8, gen), H_kv=h_kv,
                     D=16 * randint(2, 16, gen), nbytes=2 * randint(1, 2, gen))
