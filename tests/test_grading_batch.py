@@ -318,3 +318,44 @@ def test_gradebook_usage_errors_exit_with_status_2(tmp_path, capsys):
     assert cli.main([str(tmp_path / "a"), "--gradebook", out, "--workers", "0"]) == 2
     assert gradebook_paths(tmp_path / "g.csv") == (tmp_path / "g.csv", tmp_path / "g.json")
 
+
+
+# --- the watchdog: a worker that dies or stops costs only the notebook it held ----------------
+
+SIGNALS_ITS_WORKER = '''import os
+import signal
+
+os.kill(os.getppid(), signal.SIGNAL)   # without the sandbox, the kernel's parent is its worker
+'''
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="signals Linux processes")
+def test_a_worker_that_dies_or_stops_costs_only_its_notebook(tmp_path):
+    """Issue 18: the watchdog sees a worker die (SIGKILL) or stop answering (SIGSTOP) from
+    outside: that notebook is graded once more on a fresh worker, then scores 0 with the reason;
+    the honest classmates keep full marks; the gradebook is written and the exit status is 0.
+    Only without the sandbox can a kernel reach its worker at all (``--no-sandbox``); with it,
+    the same notebooks signal the sandbox's own init (tests/test_grading_attacks.py)."""
+    root = tmp_path / "class"
+    fine = solution_notebook(FIXTURE_SOLUTIONS / FIXTURE)
+    for name in ("ann", "bob"):
+        write(fine, root / f"{name}.ipynb")
+    for name, signal in (("kay", "SIGKILL"), ("sid", "SIGSTOP")):
+        write(edit(fine, after={"ch99-setup": SIGNALS_ITS_WORKER.replace("SIGNAL", signal)}),
+              root / f"{name}.ipynb")
+    out = tmp_path / "book"
+    result = run_grader(str(root), "--gradebook", str(out), "--workers", "2",
+                        "--notebook-timeout", "20", "--no-sandbox", *FIXTURE_OPTIONS, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    book = json.loads(out.with_suffix(".json").read_text())
+    assert book["options"]["sandbox"] == "none (--no-sandbox)"
+    students = {s["student"]: s for s in book["students"]}
+    for name in ("ann", "bob"):
+        assert students[name]["total"] == students[name]["max"] == 10, students[name]["notes"]
+    limit = batch.watchdog_limit(20)
+    for name, why in (("kay", r"the grader's worker process died while grading it .+"),
+                      ("sid", rf"its grading did not end within {limit:g} s .+")):
+        [entry] = students[name]["notebooks"]
+        assert students[name]["total"] == 0 and entry["chapter"] == "ch99"
+        assert re.fullmatch(why, entry["error"]), entry["error"]
+        assert [e["reason"] for e in entry["exercises"]] == [f"not graded: {entry['error']}"] * 4

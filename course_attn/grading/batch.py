@@ -44,8 +44,9 @@ from tqdm import tqdm
 from . import grader, processes, sandbox
 from .canonical import Canonical
 from .grader import GradingOptions
-from .notebook import MAX_SUBMISSION_BYTES, Submission, read_submission  # noqa: F401 (API)
-from .report import NotebookGrade, write_atomically
+from .notebook import MAX_SUBMISSION_BYTES, Submission, chapter_of, parse_notebook, \
+    read_submission  # noqa: F401 (API)
+from .report import ExerciseScore, NotebookGrade, write_atomically
 
 @dataclass
 class ClassSubmissions:
@@ -82,6 +83,13 @@ def collect_class(root: Path, skip: set[Path] = frozenset()) -> ClassSubmissions
 WORKER_ATTEMPTS = 2  # a notebook whose worker died or stopped is graded this often, then scores 0
 _WORKER: dict = {}
 WATCHDOG_MARGIN_S = 120.0  # beyond the notebook's own time limit: kernel starts, restarts
+
+
+def watchdog_limit(notebook_timeout: float) -> float:
+    """How long a worker may take over one notebook before the watchdog stops it: the
+    notebook's own limit, and a margin for starting and restarting kernels (half the limit, at
+    least 30 s, at most WATCHDOG_MARGIN_S)."""
+    return notebook_timeout + min(WATCHDOG_MARGIN_S, max(30.0, notebook_timeout / 2))
 
 
 def _start_worker(canonicals: dict, options: GradingOptions, solutions_dir: str) -> None:
@@ -143,7 +151,7 @@ def grade_files(submissions: list[Submission], canonicals: dict[str, Canonical |
     attempts = [0] * len(submissions)
     todo = list(range(len(submissions)))
     context = multiprocessing.get_context("spawn")  # no fork of a process holding zmq sockets
-    limit = options.notebook_timeout + WATCHDOG_MARGIN_S
+    limit = watchdog_limit(options.notebook_timeout)
     bar = tqdm(total=len(submissions), unit="notebook", desc="grading", file=sys.stderr,
                disable=not progress, mininterval=0.5)
     pool: list[_Worker] = []
@@ -173,7 +181,7 @@ def grade_files(submissions: list[Submission], canonicals: dict[str, Canonical |
             todo.insert(0, number)
             return
         worker.number = number
-        finish(worker, NotebookGrade(str(submissions[number].path), error=f"not graded: {why}"))
+        finish(worker, _not_graded(submissions[number], canonicals, why))
 
     try:
         while todo or any(w.number is not None for w in pool):
@@ -192,13 +200,12 @@ def grade_files(submissions: list[Submission], canonicals: dict[str, Canonical |
                     try:
                         number, grade = worker.connection.recv()
                     except (EOFError, OSError):
-                        lost(worker, "the grader's worker process died while grading it")
+                        lost(worker, _died(worker))
                         continue
                     if number == worker.number:
                         finish(worker, grade)
                 elif worker.process.sentinel in ready:
-                    lost(worker, f"the grader's worker process died while grading it (exit "
-                                 f"status {worker.process.exitcode})")
+                    lost(worker, _died(worker))
                 elif time.monotonic() > worker.deadline:
                     lost(worker, f"its grading did not end within {limit:g} s (the notebook's "
                                  f"limit of {options.notebook_timeout:g} s and a margin), so "
@@ -208,6 +215,32 @@ def grade_files(submissions: list[Submission], canonicals: dict[str, Canonical |
             _end(worker, politely=worker.number is None)
         bar.close()
     return grades
+
+
+def _died(worker: _Worker) -> str:
+    worker.process.join(5)
+    code = worker.process.exitcode
+    if code is not None and code < 0:
+        import signal
+        how = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ \
+            else f"signal {-code}"
+    else:
+        how = f"exit status {code}"
+    return f"the grader's worker process died while grading it ({how})"
+
+
+def _not_graded(submission: Submission, canonicals: dict, why: str) -> NotebookGrade:
+    """The grade of a notebook the grader could not finish: 0 for each of its chapter's
+    exercises, with the reason."""
+    read = parse_notebook(submission.data, submission.path.suffix) \
+        if submission.data is not None else None
+    chapter = chapter_of(read.nb if read else None, submission.path.name)
+    canonical = canonicals.get(chapter)
+    grade = NotebookGrade(str(submission.path), chapter=chapter, error=why)
+    if isinstance(canonical, Canonical):
+        grade.exercises = [ExerciseScore(e.grade_id, 0, e.points, False, f"not graded: {why}")
+                           for e in canonical.exercises]
+    return grade
 
 
 def _end(worker: _Worker, politely: bool = False) -> None:
