@@ -359,3 +359,25 @@ def test_a_worker_that_dies_or_stops_costs_only_its_notebook(tmp_path):
         assert students[name]["total"] == 0 and entry["chapter"] == "ch99"
         assert re.fullmatch(why, entry["error"]), entry["error"]
         assert [e["reason"] for e in entry["exercises"]] == [f"not graded: {entry['error']}"] * 4
+
+
+def test_a_notebook_naming_a_chapter_the_course_lacks_is_a_row_not_a_failed_batch(tmp_path):
+    """Issue 18: one notebook with ``chapter: ch99`` in its metadata (the real course has no
+    chapter 99) made the whole batch exit 1. Now it is its student's row, with the reason; the
+    classmate is graded; the exit status is 0."""
+    root = tmp_path / "class"
+    honest = solution_notebook(SOLUTIONS / "03_masking.ipynb")
+    write(honest, root / "ann.ipynb")
+    odd = edit(honest)
+    odd.metadata["course_attn"] = {"chapter": "ch99"}
+    write(odd, root / "zed.ipynb")
+    out = tmp_path / "book"
+    result = run_grader(str(root), "--gradebook", str(out), "--workers", "2", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    book = json.loads(out.with_suffix(".json").read_text())
+    students = {s["student"]: s for s in book["students"]}
+    assert students["ann"]["total"] == students["ann"]["max"] > 0
+    [entry] = students["zed"]["notebooks"]
+    assert entry["grader_error"] is False and students["zed"]["total"] == 0
+    assert entry["error"].startswith("not graded: ch99 is not a chapter of this course "
+                                     "(its chapters: ch01, ch02"), entry["error"]
