@@ -54,8 +54,10 @@ class Judgement:
 
     def reason(self) -> str:
         """One sentence: why the exercise failed, or "passed"."""
-        if self.banned:
-            what = self.banned[0]
+        if self.banned:  # a guard switched off first, then the package, then what came first
+            what = next((h for h in self.banned if h.endswith(SWITCHES_OFF)),
+                        next((h for h in self.banned if h.startswith("course_attn.")),
+                             self.banned[0]))
             if what.endswith(SWITCHES_OFF):
                 return (f"switches off the check of the operations it runs "
                         f"({what.removesuffix(SWITCHES_OFF).strip()}), which no exercise allows")
