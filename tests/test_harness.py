@@ -224,7 +224,8 @@ def test_an_operation_outside_the_allowlist_is_refused_however_it_was_reached():
     cases = {
         "torch.special.log_softmax (it runs aten._log_softmax)":
             lambda: torch.special.log_softmax(X, -1).exp(),
-        "torch.Tensor.logsumexp (it runs aten.logsumexp)": lambda: (X - X.logsumexp(-1, True)).exp(),
+        "torch.Tensor.logsumexp (it runs aten.logsumexp)":
+            lambda: (X - X.logsumexp(-1, True)).exp(),
         "torch.softmax (it runs aten._softmax)": lambda: list(map(torch.softmax, X, [-1] * 3)),
         "torch.logcumsumexp (it runs aten.logcumsumexp)": lambda: torch.logcumsumexp(X, -1),
         "torch.nn.functional.scaled_dot_product_attention (it runs "

@@ -172,8 +172,9 @@ _PUBLIC_MODULES = {"torch._C._special": "torch.special", "torch._C._nn": "torch.
 
 
 def _stem(name: str) -> str:
-    """The operation a function name stands for, whatever the route: ``torch.ops.aten._softmax.default``,
-    ``torch._softmax`` and ``torch.Tensor.softmax`` all give ``softmax``;
+    """The operation a function name stands for, whatever the route:
+    ``torch.ops.aten._softmax.default``, ``torch._softmax`` and ``torch.Tensor.softmax`` all
+    give ``softmax``;
     ``torch.special.log_softmax`` gives ``log_softmax``."""
     if name.startswith("torch.ops."):
         parts = name.split(".")
@@ -526,7 +527,8 @@ def _thread_states(api):
 def _package_name(filename: str, qualname: str) -> str:
     """``.../course_attn/masks.py`` and ``causal_mask`` -> ``course_attn.masks.causal_mask``."""
     parts = filename.removesuffix(".py").replace(os.sep, "/").split("/")
-    start = max((i for i, part in enumerate(parts) if part == "course_attn"), default=len(parts) - 1)
+    start = max((i for i, part in enumerate(parts) if part == "course_attn"),
+                default=len(parts) - 1)
     module = ".".join(p for p in parts[start:] if p != "__init__")
     return f"{module}.{qualname}"
 

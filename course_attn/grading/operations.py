@@ -6,9 +6,10 @@ as torch dispatches them. The grader sends an exercise's list to the kernel; the
 
 ``ELEMENTARY`` is what any computation is made of: elementwise arithmetic and comparisons,
 reductions, views and copies, creating tensors, a tensor's metadata (dtype promotion, sizes),
-matrix products, indexing, concatenation, sorting. What it leaves out are the shortcuts the course asks students to write themselves:
-the softmax family, attention kernels, normalisation layers, ``logcumsumexp``. An exercise adds
-back a family it does not teach (``SOFTMAX`` where softmax is an earlier chapter's tool).
+matrix products, indexing, concatenation, sorting. What it leaves out are the shortcuts the
+course asks students to write themselves: the softmax family, attention kernels, normalisation
+layers, ``logcumsumexp``. An exercise adds back a family it does not teach (``SOFTMAX`` where
+softmax is an earlier chapter's tool).
 
 Some shortcuts are composites that torch decomposes into elementary operations before
 dispatching them (``F.rms_norm`` becomes pow, mean, rsqrt, mul; ``repeat_interleave`` becomes
@@ -21,8 +22,9 @@ import torch
 _TAGGED = (torch.Tag.pointwise, torch.Tag.reduction)
 
 # Built from names, not from tags, where tags do not say it (creation, linear algebra, indexing).
-_CREATION = """empty empty_like empty_strided new_empty new_empty_strided new_zeros new_ones new_full
-zeros zeros_like ones ones_like full full_like fill fill_ zero_ arange linspace logspace eye
+_CREATION = """empty empty_like empty_strided new_empty new_empty_strided new_zeros new_ones
+new_full zeros zeros_like ones ones_like full full_like fill fill_ zero_ arange linspace logspace
+eye
 scalar_tensor lift_fresh lift_fresh_copy clone _to_copy copy copy_ _copy_from
 _copy_from_and_resize resize_ contiguous _local_scalar_dense item equal is_nonzero is_same_size
 _unsafe_view _reshape_copy view_copy expand_copy permute_copy transpose_copy unsqueeze_copy
@@ -76,10 +78,9 @@ SOFTMAX_BACKWARD = frozenset({"aten._softmax_backward_data", "aten._log_softmax_
 LOGCUMSUMEXP = frozenset({"aten.logcumsumexp", "aten._logcumsumexp"})
 
 _NAMES, _TAGGED_OR_VIEWS = _operators()
-ELEMENTARY = frozenset(
-    f"aten.{name}" for name in (_TAGGED_OR_VIEWS |
-                                set(f"{_CREATION} {_METADATA} {_LINEAR_ALGEBRA} {_INDEXING}".split()))
-    if name in _NAMES) - SOFTMAX - SOFTMAX_BACKWARD - LOGCUMSUMEXP
+_LISTED = set(f"{_CREATION} {_METADATA} {_LINEAR_ALGEBRA} {_INDEXING}".split())
+ELEMENTARY = frozenset(f"aten.{name}" for name in _TAGGED_OR_VIEWS | _LISTED if name in _NAMES) \
+    - SOFTMAX - SOFTMAX_BACKWARD - LOGCUMSUMEXP
 NONE: frozenset = frozenset()  # an answer worked out with arithmetic: no tensor at all
 ELU = frozenset({"aten.elu", "aten.elu_", "aten.celu", "aten.celu_", "aten.selu", "aten.selu_"})
 GROWING = frozenset({"aten.cat", "aten.stack", "aten.hstack", "aten.vstack", "aten.resize_",

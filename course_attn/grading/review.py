@@ -17,7 +17,9 @@ import tokenize
 
 # (pattern over the code's names and attributes, what to tell the reviewer)
 _SIGNS = (
-    (r"\bsys\s*\.\s*_getframe\b|\bsys\s*\.\s*_current_frames\b|\binspect\s*\.\s*(currentframe|stack|getouterframes)\b|\.f_back\b|\.f_globals\b|\.f_locals\b",
+    (r"\bsys\s*\.\s*_getframe\b|\bsys\s*\.\s*_current_frames\b|"
+     r"\binspect\s*\.\s*(currentframe|stack|getouterframes)\b|\.f_back\b|\.f_globals\b|"
+     r"\.f_locals\b",
      "walks the call stack (sys._getframe, inspect.stack, f_back)"),
     (r"\bgc\s*\.\s*(get_objects|get_referrers|get_referents)\b|\bimport\s+gc\b",
      "searches the interpreter's objects (gc)"),

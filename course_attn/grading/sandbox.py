@@ -85,7 +85,8 @@ def command(*, readonly: list[str], writable: list[str], workdir: str) -> list[s
     for device in sorted(Path("/dev").glob("nvidia*")):  # a GPU, where there is one
         args += ["--dev-bind", str(device), str(device)]
     # the kernel's parent is outside its PID namespace: --die-with-parent watches it instead
-    args += ["--unsetenv", "JPY_PARENT_PID", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
+    args += ["--unsetenv", "JPY_PARENT_PID", "--setenv", "HOME", "/tmp",
+             "--setenv", "TMPDIR", "/tmp",
              "--setenv", "MPLCONFIGDIR", "/tmp/matplotlib", "--setenv", "IPYTHONDIR",
              "/tmp/ipython", "--chdir", workdir, "--"]
     return args
@@ -163,38 +164,22 @@ class TreeLimits:
             resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
     def out_of_memory(self) -> bool:
-        """Whether the tree hit its memory limit (and the kernel of the OS killed in it)."""
+        """Whether the tree hit its memory limit (and the kernel of the OS killed in it):
+        ``oom_kill`` in v1's ``memory.oom_control`` or v2's ``memory.events``."""
         for folder in self.folders:
-            for name, sign in (("memory.oom_control", "oom_kill "), ("memory.events", "oom_kill ")):
+            for name in ("memory.oom_control", "memory.events"):
                 try:
                     for line in (folder / name).read_text().splitlines():
-                        if line.startswith(sign) and int(line.split()[1]) > 0:
+                        if line.startswith("oom_kill ") and int(line.split()[1]) > 0:
                             return True
                 except (OSError, ValueError, IndexError):
                     continue
         return False
 
-    def kill(self) -> None:
-        """Kill every process left in the tree's cgroups."""
-        import signal
-        for folder in self.folders:
-            for _ in range(20):
-                try:
-                    pids = [int(p) for p in (folder / "cgroup.procs").read_text().split()]
-                except (OSError, ValueError):
-                    break
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-
     def remove(self) -> None:
-        self.kill()
+        """Kill every process left in the tree's cgroups, and remove them."""
         for folder in self.folders:
-            _remove(folder)
+            _empty_and_remove(folder)
         self.folders = []
 
 
@@ -206,16 +191,30 @@ def cgroup_name(token: str) -> str:
 
 def remove_cgroups_of(pid: int) -> None:
     """Kill what is left in, and remove, the kernels' cgroups that process ``pid`` made."""
-    for controller in ("memory", "pids"):
-        parent = _own_v1(controller)
-        parents = [parent] if parent is not None else []
-        if controller == "memory" and not parents and _own_v2() is not None:
-            parents = [_own_v2()]
-        for parent in parents:
-            for folder in parent.glob(f"course_attn_{pid}_*"):
-                limits = TreeLimits.__new__(TreeLimits)
-                limits.folders, limits.kind, limits.memory_mb = [folder], "cgroup", 0
-                limits.remove()
+    parents = [p for p in (_own_v1("memory"), _own_v1("pids")) if p is not None] or \
+        [p for p in (_own_v2(),) if p is not None]
+    for parent in parents:
+        for folder in parent.glob(f"course_attn_{pid}_*"):
+            _empty_and_remove(folder)
+
+
+def _empty_and_remove(folder: Path) -> None:
+    """SIGKILL every process in the cgroup ``folder`` (those it forks meanwhile too), then
+    remove it."""
+    import signal
+    for _ in range(20):
+        try:
+            pids = [int(p) for p in (folder / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            break
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    _remove(folder)
 
 
 def _remove(folder: Path) -> None:
