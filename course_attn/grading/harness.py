@@ -284,12 +284,13 @@ class Guard:
             if self._report is not None:
                 self._report(name)
 
-    def _place(self):
+    def _place(self, frame=None):
         """_ALLOWED inside an allowed function of the package; else the name of the outermost
-        refused function (of the package, or of ``functions``) on the stack; else None."""
+        refused function (of the package, or of ``functions``) on the stack from ``frame``
+        (the caller of the torch mode that asks); else None."""
         if not self.packages and not self.functions:
             return None
-        frame, found = sys._getframe(3), None
+        frame, found = frame or sys._getframe(3), None
         while frame is not None and frame.f_code is not _CALL_CODE:
             code = frame.f_code
             place = (code.co_filename, getattr(code, "co_qualname", code.co_name))
@@ -344,12 +345,11 @@ class Guard:
     def _calls(self, frame, event, arg):
         """A profiler for an exercise that runs no torch operation at all (arithmetic): the
         package's Python code is seen where it is called, torch or not."""
-        if event == "call" and self.armed:
-            code = frame.f_code
-            if code.co_filename.startswith(self.packages) and code.co_filename != _OWN_FILE:
-                place = (code.co_filename, getattr(code, "co_qualname", code.co_name))
-                if place not in self.allowed:
-                    self._hit(_package_name(*place))
+        if event == "call" and self.armed and \
+                frame.f_code.co_filename.startswith(self.packages):
+            place = self._place(frame)
+            if place is not None and place is not _ALLOWED:
+                self._hit(place)
 
     def __enter__(self):
         self._modes = (_Functions(self), _Operations(self))
