@@ -179,7 +179,7 @@ def test_a_typical_mistake_fails_a_public_case_with_its_own_hint(key, number):
         if hint != mistake.hint and hint in others:  # the other mistake's answer must be ours
             case = cases[name]
             assert same_answer(exercise, mistake.fn(*case.args, **dict(case.kwargs)),
-                               others[hint].fn(*case.args, **dict(case.kwargs))), \
+                               others[hint].fn(*case.args, **dict(case.kwargs)), case), \
                 f"{key}, {name!r}: named {hint!r}, whose answer differs from {mistake.hint!r}"
     if takes_inputs(key):
         missed = [seed for seed in HIDDEN_SEEDS

@@ -312,7 +312,8 @@ def attention_cost_reference(b, h, tq, tk, d, dv, bytes_per_element):
 
 def expect_cost(actual, expected, case=None):
     """A dict with the keys of ``expected``, each a number equal to it (within 1e-9); a wrong one
-    is reported as a ratio, which says what went wrong without giving the answer away."""
+    is told too large or too small, never by what factor (a factor would let a student fix the
+    number by multiplying)."""
     if not isinstance(actual, dict):
         raise AssertionError(f"your result should be a dict with the keys {list(COST_KEYS)}, "
                              f"got {type(actual).__name__}")
@@ -325,8 +326,7 @@ def expect_cost(actual, expected, case=None):
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             raise AssertionError(f"{key!r} should be a number, got {type(got).__name__}")
         if not math.isclose(got, want, rel_tol=1e-9):
-            ratio = got / want if want else math.inf
-            raise AssertionError(f"your {key!r} is {ratio:.4g} times the expected one")
+            raise AssertionError(f"your {key!r} is {'too large' if got > want else 'too small'}")
 
 
 def _cost(**wrong):
@@ -365,6 +365,7 @@ def _cost_cases():
 
 register(Exercise(
     key="ch02.attention_cost", function="attention_cost", reference=attention_cost_reference,
+    task="derive",
     ops=ELEMENTARY,
     cases=_cost_cases, compare=expect_cost, banned=("course_attn",),
     mistakes=(

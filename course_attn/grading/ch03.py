@@ -371,6 +371,7 @@ NOT_NAN_NOR_ZEROS = ("a fully masked row is 0/0 only when all its filled scores 
 
 register(Exercise(
     key="ch03.fp16_fill", function="fp16_fill", reference=fp16_fill_reference,
+    task="predict",
     ops=NONE,
     cases=lambda: FP16.cases(*FILL_CASES), compare=FP16.compare,
     # A prediction, not a computation: no tensors inside the function.

@@ -259,6 +259,7 @@ def _costing(**wrong):
 
 register(Exercise(
     key="ch04.mha_cost", function="mha_cost", reference=mha_cost_reference,
+    task="derive",
     ops=NONE,
     cases=lambda: COSTS.cases(*COST_SIZES), compare=COSTS.compare, banned=("course_attn",),
     mistakes=(

@@ -302,6 +302,7 @@ def _other_difference(m, n, m2, n2):
 
 register(Exercise(
     key="ch05.rope_predictions", function="rope_predictions",
+    task="predict",
     ops=NONE,
     reference=rope_predictions_reference,
     cases=lambda: PREDICTIONS.cases(*PUBLIC_PREDICTIONS), compare=PREDICTIONS.compare,

@@ -322,6 +322,7 @@ def _answering(**wrong):
 
 register(Exercise(
     key="ch06.qk_norm_limits", function="qk_norm_limits", reference=qk_norm_limits_reference,
+    task="derive",
     ops=NONE,
     cases=lambda: LIMITS.cases(*PUBLIC_LIMITS), compare=LIMITS.compare, banned=("course_attn",),
     mistakes=(

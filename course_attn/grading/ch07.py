@@ -325,6 +325,7 @@ def _answering(key, wrong):
 
 register(Exercise(
     key="ch07.cache_questions", function="cache_questions", reference=cache_questions_reference,
+    task="derive",
     ops=NONE,
     cases=lambda: ANSWERS.cases(*CACHE_SIZES), compare=ANSWERS.compare, banned=("course_attn",),
     mistakes=(

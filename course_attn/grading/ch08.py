@@ -336,6 +336,7 @@ def _flops(L, C, V, T, P, N):
 
 register(Exercise(
     key="ch08.decode_savings", function="decode_savings", reference=decode_savings_reference,
+    task="derive",
     ops=NONE,
     cases=lambda: SAVINGS.cases(*SAVING_SIZES), compare=SAVINGS.compare, banned=("course_attn",),
     mistakes=(

@@ -533,6 +533,7 @@ FLOOR = ("you counted whole blocks only (T // block): a partial last block holds
 
 register(Exercise(
     key="ch09.flash_counts", function="flash_counts", reference=flash_counts_reference,
+    task="derive",
     ops=NONE,
     cases=lambda: COUNTS.cases(COUNT_SIZES, MORE_COUNT_SIZES), compare=COUNTS.compare,
     banned=("course_attn",),

@@ -313,6 +313,7 @@ def _costs_with(**rule):
 
 register(Exercise(
     key="ch10.linear_costs", function="linear_costs", reference=linear_costs_reference,
+    task="derive",
     ops=NONE,
     cases=lambda: COSTS.cases(COST_SIZES, MORE_COST_SIZES), compare=COSTS.compare,
     banned=("course_attn",),

@@ -338,6 +338,7 @@ def _answering(**wrong):
 
 register(Exercise(
     key="ch11.window_budget", function="window_budget", reference=window_budget_reference,
+    task="derive",
     ops=NONE,
     cases=lambda: BUDGET.cases(BUDGET_SIZES, MORE_BUDGET_SIZES), compare=BUDGET.compare,
     banned=("course_attn",),

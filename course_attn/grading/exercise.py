@@ -32,6 +32,16 @@ import torch
 
 KEY = re.compile(r"^ch(\d\d)\.([A-Za-z_][A-Za-z0-9_]*)$")
 
+# What an exercise asks of the student (the instructors' table lists each exercise's task):
+TASKS = {
+    "implement": "write a function the chapter sets up but does not show",
+    "warm-up": "write a function the chapter shows, as a first step (fewer points)",
+    "debug": "find and repair the bug of a given function, graded on the repaired outputs",
+    "predict": "choose among named options before running anything, compared exactly",
+    "measure": "run an experiment and report what it shows, on sizes or seeds drawn at grading",
+    "derive": "work out counts as formulas of the sizes, checked on sizes drawn at grading",
+}
+
 
 @dataclass(frozen=True)
 class Case:
@@ -61,6 +71,9 @@ class Exercise:
     ``kind="value"``: the notebook assigns ``function`` (a prediction, a measurement), compared
     once with ``reference()``.
 
+    ``task``: what it asks of the student, one of ``TASKS`` (implement, warm-up, debug,
+    predict, measure, derive).
+
     ``compare(actual, expected, case)`` raises AssertionError with a message for the student.
     ``ops``: the ATen operations the function may run (``operations.py``); None: the default
     for its kind (``operations.default_operations``). ``banned``: functions refused by name,
@@ -80,6 +93,7 @@ class Exercise:
     allowed: tuple[str, ...] = ()
     mistakes: tuple[Mistake, ...] = ()
     ops: frozenset | None = None
+    task: str = "implement"  # one of TASKS
 
     @property
     def chapter(self) -> str:
@@ -131,6 +145,9 @@ def register(exercise: Exercise) -> Exercise:
     validate_key(exercise.key)
     if exercise.kind not in ("function", "value"):
         raise ValueError(f"{exercise.key}: kind must be 'function' or 'value'")
+    if exercise.task not in TASKS:
+        raise ValueError(f"{exercise.key}: task must be one of {sorted(TASKS)}, "
+                         f"got {exercise.task!r}")
     _EXERCISES[exercise.key] = exercise
     return exercise
 

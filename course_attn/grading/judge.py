@@ -109,12 +109,14 @@ def _without_shared_nans(a, b):
     return a, b
 
 
-def same_answer(exercise: Exercise, a, b) -> bool:
+def same_answer(exercise: Exercise, a, b, case: Case | None = None) -> bool:
     """Whether ``exercise.compare`` accepts ``a`` for ``b``, NaN matching NaN: how a student's
-    wrong answer is recognised as a typical mistake's."""
+    wrong answer is recognised as a typical mistake's. With a ``case`` that judges one part of
+    a multi-part answer (``Case.part``), only that part is compared, so each part's mistakes
+    are named on their own, whatever else the answer gets wrong."""
     a, b = _without_shared_nans(a, b)
     try:
-        exercise.compare(a, b, None)
+        exercise.compare(a, b, case)
         return True
     except Exception:
         return False
@@ -127,7 +129,7 @@ def name_the_mistake(exercise: Exercise, case: Case, value) -> str:
             wrong = mistake.fn(*case.args, **dict(case.kwargs))
         except Exception:
             continue
-        if same_answer(exercise, value, wrong):
+        if same_answer(exercise, value, wrong, case):
             return mistake.hint
     return ""
 
