@@ -98,7 +98,8 @@ def tile_update(m, l, acc, scores, v, *, rescale_acc=True, rescale_l=True, guard
 
 
 def tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None, *, floor=False,
-              top_left=False, diagonal=True, extra=False, by_index=False, windowed=True):
+              top_left=False, diagonal=True, extra=False, by_index=False, windowed=True,
+              strict_last=False):
     """The solution; the keywords make it one typical mistake or another."""
     n_q = tq // block_q if floor else -(-tq // block_q)
     n_k = tk // block_k if floor else -(-tk // block_k)
@@ -116,6 +117,8 @@ def tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None, *, floor=F
                     ok = j < i
                 elif extra:
                     ok = k0 <= p1 + 1
+                elif strict_last:
+                    ok = k0 < p1
                 else:
                     ok = k0 <= p1
             if window is not None and windowed:
@@ -304,6 +307,8 @@ FEWER_Q = "causal, Tq=4 after Tk=12 (bottom-right), blocks of 4"
 UNEQUAL = "causal, block_q=4 and block_k=2, 12 x 12"
 WINDOW = "causal with a window of 5, 16 x 16 in blocks of 4"
 TWO_SIDED = "a window of 3 without causality, 12 x 12 in blocks of 2"
+AT_LAST = ("causal, 9 x 9, block_q=3 and block_k=2: key blocks that start at a query block's "
+           "last position")
 
 
 def test_the_tile_mask_reference_is_the_element_mask_reduced_over_tiles():
@@ -323,6 +328,12 @@ def test_tile_mask_mistakes():
                  hint="skips the tiles on the diagonal")
     assert_fails(MASK, lambda *a, **k: tile_mask(*a, **k, extra=True), SQUARE,
                  hint="entirely above the diagonal")
+    assert_fails(MASK, lambda *a, **k: tile_mask(*a, **k, strict_last=True), AT_LAST,
+                 hint="exactly at the position of the block's last query")
+    for seed in range(10):  # the hidden cases catch it on every seed
+        found = results(MASK, lambda *a, **k: tile_mask(*a, **k, strict_last=True),
+                        hidden_cases(MASK, seed))
+        assert not all(r.passed for r in found.values()), seed
     assert_fails(MASK, lambda *a, **k: tile_mask(*a, **k, floor=True), PARTIAL,
                  hint="floor division", message="shape")
     assert_fails(MASK, lambda *a, **k: tile_mask(*a, **k, top_left=True), FEWER_Q,

@@ -379,6 +379,9 @@ def _mask_cases():
                                           "every key")
     yield Case("causal, block_q=4 and block_k=2, 12 x 12", (12, 12, 4, 2), dict(is_causal=True),
                hint="compare positions, not block numbers, when the blocks differ in size")
+    yield Case("causal, 9 x 9, block_q=3 and block_k=2: key blocks that start at a query "
+               "block's last position", (9, 9, 3, 2), dict(is_causal=True),
+               hint="a query may attend to the key at its own position")
     yield Case("causal, Tq=12 > Tk=4: the first queries see no key", (12, 4, 4, 2),
                dict(is_causal=True), hint="bottom-right: query i sits at position Tk - Tq + i")
     yield Case("causal with a window of 5, 16 x 16 in blocks of 4", (16, 16, 4, 4),
@@ -392,8 +395,8 @@ def _mask_cases():
 def _mask_wrong(*, count=_blocks, align=True, causal_rule="ok", by_index=False, windowed=True,
                 window_rule="ok"):
     """tile_mask with one mistake: ``count`` of blocks (floor division), ``align=False`` top
-    left, ``causal_rule`` "strict" (skips the diagonal tiles) or "one_more" (keeps one tile
-    above it), ``by_index`` compares block numbers, ``windowed=False`` ignores the window,
+    left, ``causal_rule`` "strict" (skips the diagonal tiles), "before_last" (first key before
+    the last query, strictly) or "one_more" (keeps one tile above it), ``by_index`` compares block numbers, ``windowed=False`` ignores the window,
     ``window_rule`` "one_more" keeps a key W positions back."""
     def tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None):
         nq, nk = count(tq, block_q), count(tk, block_k)
@@ -409,6 +412,8 @@ def _mask_wrong(*, count=_blocks, align=True, causal_rule="ok", by_index=False, 
                         ok = j <= i
                     elif causal_rule == "strict":
                         ok = c0 < r0
+                    elif causal_rule == "before_last":
+                        ok = c0 < r1
                     elif causal_rule == "one_more":
                         ok = c0 <= r1 + 1
                     else:
@@ -429,6 +434,9 @@ register(Exercise(
         Mistake("your causal skip is one block off: it skips the tiles on the diagonal, which "
                 "hold the pairs of a query with itself and the keys just before it",
                 _mask_wrong(causal_rule="strict")),
+        Mistake("your causal skip drops a tile whose first key sits exactly at the position of "
+                "the block's last query: a query sees the key at its own position, so that tile "
+                "holds an allowed pair", _mask_wrong(causal_rule="before_last")),
         Mistake("your causal skip is one block off: it keeps a tile that lies entirely above "
                 "the diagonal (compare the tile's first key with its last query, both "
                 "inclusive)", _mask_wrong(causal_rule="one_more")),

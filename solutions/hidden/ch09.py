@@ -155,7 +155,8 @@ def _(gen):
 # blocks, comparing block numbers or aligning top-left each changes some tile; a square
 # causal case (one tile off the diagonal is wrong there); a window of W = k·B + 1 without
 # causality (the nearest query and key of some tile are exactly W apart: one key too many is
-# wrong there); a causal window shorter than the keys (ignoring it is wrong there).
+# wrong there) query blocks one longer than key blocks, Tq = Tk (key block 1 starts at
+# query block 0's last position: a strict first key < last query is wrong there); a causal window shorter than the keys (ignoring it is wrong there).
 def _mask_regime(rule):
     """A regime of tile_mask: ``rule`` of (tq, tk, bq, bk, causal, window)."""
     def inside(case):
@@ -195,6 +196,10 @@ def _(gen):
     b = randint(2, 4, gen)
     t = b * randint(5, 7, gen) + randint(1, b - 1, gen)
     yield Case(f"causal, {t} x {t} in blocks of {b}", (t, t, b, b), dict(is_causal=True))
+    bk = randint(2, 4, gen)  # query blocks of bk + 1: key block 1 starts at query block 0's end
+    t = (bk + 1) * randint(2, 5, gen) + randint(0, bk, gen)
+    yield Case(f"causal, {t} x {t}, blocks {bk + 1} x {bk}", (t, t, bk + 1, bk),
+               dict(is_causal=True))
     w = randint(2, 7, gen)
     yield Case(f"causal, a window of {w}, Tq={tq}, Tk={tk}, blocks {bq} x {bk}",
                (tq, tk, bq, bk), dict(is_causal=True, window=w))
