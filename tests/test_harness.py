@@ -517,3 +517,17 @@ def test_check_gives_the_same_verdict_in_the_notebook(capsys):
           lambda tq, tk: torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq))
     assert "checks passed" in capsys.readouterr().out
     assert get("ch03.causal_mask").banned
+
+
+def test_a_multi_part_answer_with_one_part_wrong_earns_the_other_parts_share():
+    evaluation = _prepare(GradedExercise("ch04-mha_cost", 3, "ch04.mha_cost"), seed=0)
+    evaluation.run, evaluation.hits = CellRun("ok"), []
+    results = []
+    for case, expected in zip(evaluation.cases, evaluation.expected):
+        value = dict(expected)
+        value["params"] = 3 * value["params"] // 4   # W_O left out, in every case
+        results.append({"value": encode(value)})
+    evaluation.answer = {"found": True, "results": results, "mutated": [], "banned": []}
+    credit, reason, flags = _verdict(evaluation, {}, lambda i: f"cell {i + 1}", 0)
+    assert credit == pytest.approx(5 / 6) and reason.startswith("5 of 6 parts right; ")
+    assert "you left out the output projection W_O" in reason and flags == []

@@ -17,8 +17,11 @@ each submitted notebook:
    it (``harness.py``, ``operations.py``), and returns the outputs as plain data (tensors as
    raw bytes; nothing is unpickled).
 4. *Judge* (``judge.py``): the grader computes every expected output itself and compares. An
-   exercise scores its points when every case passes and no refused operation was run;
-   otherwise 0 with the reason (the first failed case and the hint that names the mistake).
+   exercise scores its points when every case passes and no refused operation was run. An
+   answer in several parts (a dict of counts or predictions, each case judging one key) earns
+   the share of its parts whose every case passes, the points split evenly among the parts.
+   The reason shows a failed case whose answer is a typical mistake's, so that its hint names
+   the mistake, the public ones first; else the first failed case.
 
 If the kernel dies or hangs, it is restarted, the cells that ran before are run again, and
 grading goes on after the cell that killed it, so later correct work keeps its points; a cell
@@ -220,8 +223,9 @@ def _answers(evaluation: Evaluation) -> list[Answer]:
 
 
 def _verdict(evaluation: Evaluation, runs: dict[int, CellRun], label, memory_mb: int
-             ) -> tuple[bool, str, list[str]]:
-    """Pass or fail, the reason, and flags, for one exercise."""
+             ) -> tuple[float, str, list[str]]:
+    """The share of the points earned (``Judgement.credit``: all or nothing, or by parts for
+    a multi-part answer), the reason, and flags, for one exercise."""
     exercise, run, flags = evaluation.graded.exercise, evaluation.run, []
     where = f"computing your {exercise.function} for the grader's inputs"
     reported = (evaluation.answer or {}).get("banned")
@@ -232,26 +236,26 @@ def _verdict(evaluation: Evaluation, runs: dict[int, CellRun], label, memory_mb:
         flags.append(f"{evaluation.graded.grade_id}: the submission switched off the check of "
                      f"the operations it runs ({switches[0].removesuffix(SWITCHES_OFF).strip()})")
     if run is None:
-        return False, "not graded: the notebook did not get that far", flags
+        return 0.0, "not graded: the notebook did not get that far", flags
     if run.status != "ok" or evaluation.answer is None:
         if run.status == "ok" or run.status == "error":
             detail = f"{run.ename}: {shorten(run.evalue, 120)}" if run.ename else "no answer"
             flags.append(f"{evaluation.graded.grade_id}: the grader's evaluation failed in the "
                          f"kernel ({detail}); the submission may have interfered with it")
-            return False, f"the grader could not run your function ({detail})", flags
-        return False, _describe_run(run, where, memory_mb), flags
+            return 0.0, f"the grader could not run your function ({detail})", flags
+        return 0.0, _describe_run(run, where, memory_mb), flags
     judgement = Judgement(exercise.key, banned=hits)
     if not evaluation.answer.get("found"):
         judgement.missing = True
         for index in evaluation.block:
             earlier = runs.get(index)
             if earlier is not None and earlier.status != "ok":
-                return False, _describe_run(earlier, label(index), memory_mb), flags
-        return False, f"not answered: the notebook does not define {exercise.function}", flags
+                return 0.0, _describe_run(earlier, label(index), memory_mb), flags
+        return 0.0, f"not answered: the notebook does not define {exercise.function}", flags
     for case, expected, hidden, answer in zip(evaluation.cases, evaluation.expected,
                                                evaluation.hidden, _answers(evaluation)):
         judgement.results.append(judge_case(exercise, case, expected, answer, hidden))
-    return judgement.passed, judgement.reason(), flags
+    return judgement.credit(), judgement.reason(), flags
 
 
 async def _run_notebook(nb, restored: Restored, evaluations: dict[int, Evaluation],
@@ -383,14 +387,14 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
         for graded in canonical.exercises if not grade.grader_error else ():
             evaluation = by_id.get(graded.grade_id)
             if evaluation is None:
-                passed, reason, flags = False, "check cell missing", []
+                credit, reason, flags = 0.0, "check cell missing", []
             else:
-                passed, reason, flags = _verdict(evaluation, runs, restored.label,
+                credit, reason, flags = _verdict(evaluation, runs, restored.label,
                                                  options.memory_mb)
             grade.flags.extend(flags)
             grade.exercises.append(ExerciseScore(graded.grade_id,
-                                                 graded.points if passed else 0,
-                                                 graded.points, passed, reason))
+                                                 round(graded.points * credit, 2),
+                                                 graded.points, credit == 1.0, reason))
     if canonical is not None and not grade.exercises:
         grade.exercises = [ExerciseScore(e.grade_id, 0, e.points, False,
                                          f"not graded: {grade.error}")

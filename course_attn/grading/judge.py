@@ -33,6 +33,8 @@ class CaseResult:
     message: str = ""
     hint: str = ""
     hidden: bool = False
+    named: bool = False  # the hint names a typical mistake (not the case's own hint)
+    part: str = ""       # the part of a multi-part answer this case judges (Case.part)
 
 
 @dataclass
@@ -46,6 +48,27 @@ class Judgement:
     def passed(self) -> bool:
         return (not self.missing and not self.banned and bool(self.results)
                 and all(r.passed for r in self.results))
+
+    def parts(self) -> dict[str, bool]:
+        """For a multi-part answer (cases with ``part``): each part, in the order asked, and
+        whether every case that judges it passed. {} for an answer judged as one."""
+        if len(self.results) < 2 or not all(r.part for r in self.results):
+            return {}
+        parts: dict[str, bool] = {}
+        for r in self.results:
+            parts[r.part] = parts.get(r.part, True) and r.passed
+        return parts if len(parts) > 1 else {}
+
+    def credit(self) -> float:
+        """The share of the points earned: 1 when every case passes; for a multi-part answer,
+        the share of its parts whose every case passes (the points split evenly among the
+        parts); 0 otherwise, and always 0 with a refused call or no answer."""
+        if self.missing or self.banned or not self.results:
+            return 0.0
+        if self.passed:
+            return 1.0
+        parts = self.parts()
+        return sum(parts.values()) / len(parts) if parts else 0.0
 
     @property
     def not_implemented(self) -> bool:
@@ -70,11 +93,16 @@ class Judgement:
         failed = [r for r in self.results if not r.passed]
         if not failed:
             return "passed"
-        first = failed[0]
-        where = "a hidden case" if first.hidden else repr(first.name)
-        text = f"{len(failed)} of {len(self.results)} cases failed (first, {where}: " \
-               f"{first.message}"
-        return text + (f"; hint: {first.hint})" if first.hint else ")")
+        # The case to show: one whose answer is a typical mistake's, so the hint names it,
+        # the public ones first (the student can rerun them); else the first that failed.
+        shown = min(failed, key=lambda r: (not r.named, r.hidden))
+        where = "a hidden case" if shown.hidden else repr(shown.name)
+        parts = self.parts()
+        right = (f"{sum(parts.values())} of {len(parts)} parts right; " if parts else "")
+        which = "first" if shown is failed[0] else "one that names the mistake"
+        text = f"{right}{len(failed)} of {len(self.results)} cases failed ({which}, {where}: " \
+               f"{shown.message}"
+        return text + (f"; hint: {shown.hint})" if shown.hint else ")")
 
 
 def describe_error(error: dict) -> str:
@@ -134,31 +162,48 @@ def name_the_mistake(exercise: Exercise, case: Case, value) -> str:
     return ""
 
 
+def name_the_error(exercise: Exercise, case: Case, error: dict) -> str:
+    """The hint of the first typical mistake that raises, on ``case``, the error the student's
+    code raised (same type, same message): a ``.view`` after a transpose, a reduction without
+    ``keepdim`` that cannot broadcast. "" if none does."""
+    for mistake in exercise.mistakes:
+        try:
+            mistake.fn(*case.args, **dict(case.kwargs))
+        except Exception as raised:
+            if type(raised).__name__ == error.get("type") and \
+                    str(raised).strip() == str(error.get("message") or "").strip():
+                return mistake.hint
+    return ""
+
+
 def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
                hidden: bool = False) -> CaseResult:
-    name = case.name
+    name, part = case.name, case.part
     if answer.error is not None:
-        return CaseResult(name, False, describe_error(answer.error),
-                          "" if answer.error.get("type") == "NotImplementedError" else case.hint,
-                          hidden)
+        if answer.error.get("type") == "NotImplementedError":
+            return CaseResult(name, False, describe_error(answer.error), "", hidden, part=part)
+        named = name_the_error(exercise, case, answer.error)
+        return CaseResult(name, False, describe_error(answer.error), named or case.hint, hidden,
+                          bool(named), part)
     if answer.unsendable:
         return CaseResult(name, False, f"your function returned {answer.unsendable}, which is "
                                        "not a tensor, number, string or list of them",
-                          case.hint, hidden)
+                          case.hint, hidden, part=part)
     try:
         exercise.compare(answer.value, expected, case)
     except AssertionError as error:
-        hint = name_the_mistake(exercise, case, answer.value) or case.hint
-        return CaseResult(name, False, str(error) or "wrong answer", hint, hidden)
+        named = name_the_mistake(exercise, case, answer.value)
+        return CaseResult(name, False, str(error) or "wrong answer", named or case.hint, hidden,
+                          bool(named), part)
     except Exception as error:  # an answer of a shape the comparison did not foresee
         return CaseResult(name, False, f"your answer could not be compared: {error}",
-                          case.hint, hidden)
+                          case.hint, hidden, part=part)
     if answer.mutated_argument is not None:
         return CaseResult(name, False, f"your function changed its argument "
                                        f"{answer.mutated_argument + 1} in place",
                           "compute a new tensor or list instead of writing into the input",
-                          hidden)
-    return CaseResult(name, True, hint=case.hint, hidden=hidden)
+                          hidden, part=part)
+    return CaseResult(name, True, hint=case.hint, hidden=hidden, part=part)
 
 
 def format_judgement(judgement: Judgement) -> str:
@@ -171,6 +216,10 @@ def format_judgement(judgement: Judgement) -> str:
                  f"  (apart from that, {passed}/{len(judgement.results)} checks passed)"]
     else:
         lines = [f"{judgement.key}: {passed}/{len(judgement.results)} checks passed"]
+        parts = judgement.parts()
+        if parts and not all(parts.values()):
+            lines[0] += (f"; parts right: {', '.join(k for k, ok in parts.items() if ok) or 'none'}"
+                         f" ({sum(parts.values())} of {len(parts)}, each part graded on its own)")
     for r in judgement.results:
         lines.append(f"  {'✓' if r.passed else '✗'} {r.name}")
         if not r.passed:

@@ -32,7 +32,7 @@ class NotebookGrade:
 
     @property
     def total(self) -> float:
-        return sum(e.points for e in self.exercises)
+        return round(sum(e.points for e in self.exercises), 2)
 
     @property
     def max_points(self) -> float:
@@ -49,7 +49,7 @@ class NotebookGrade:
 def report(grades: list[NotebookGrade]) -> dict:
     """The machine-readable report (what ``--json`` writes)."""
     return {"notebooks": [g.to_dict() for g in grades],
-            "total": sum(g.total for g in grades),
+            "total": round(sum(g.total for g in grades), 2),
             "max": sum(g.max_points for g in grades)}
 
 

@@ -1,0 +1,124 @@
+"""judge.py: how an answer's failures are explained and scored. A multi-part answer is judged
+part by part (each part's typical mistakes named on their own, partial credit by parts); a
+mistake that raises is named by its error; the one-line reason shows the case whose hint names
+a mistake, not merely the first that failed."""
+
+import pytest
+import torch
+
+from course_attn.grading import get, run_exercise
+from course_attn.grading.cases import count_questions, expect_tensor, randn
+from course_attn.grading.exercise import Case, Exercise, Mistake
+from course_attn.grading.judge import Answer, CaseResult, Judgement, judge_case
+
+COSTS = count_questions({"a": ("(a) the first count", "a = x·y"),
+                         "b": ("(b) the second count", "b = x + y"),
+                         "c": ("(c) the third count", "c = x")})
+
+
+def costs(x, y):
+    return {"a": x * y, "b": x + y, "c": x}
+
+
+def wrong(**parts):
+    return lambda x, y: {**costs(x, y), **{k: rule(x, y) for k, rule in parts.items()}}
+
+
+PARTS = Exercise(
+    key="ch99.costs", function="costs", reference=costs,
+    cases=lambda: COSTS.cases(dict(x=3, y=5), dict(x=7, y=2)), compare=COSTS.compare,
+    mistakes=(Mistake("you added where a is a product", wrong(a=lambda x, y: x + y)),
+              Mistake("you multiplied where b is a sum", wrong(b=lambda x, y: x * y))))
+
+
+def test_two_wrong_parts_each_get_the_hint_that_names_their_own_mistake():
+    student = wrong(a=lambda x, y: x + y, b=lambda x, y: x * y)
+    judgement = run_exercise(PARTS, student, watch_banned=False)
+    hints = {r.part: r.hint for r in judgement.results if not r.passed}
+    assert hints == {"a": PARTS.mistakes[0].hint, "b": PARTS.mistakes[1].hint}
+
+
+@pytest.mark.parametrize("wrong_parts, credit", [({}, 1.0), ({"c": lambda x, y: 0}, 2 / 3),
+                                                  ({"a": lambda x, y: 0, "c": lambda x, y: 0},
+                                                   1 / 3)])
+def test_a_multi_part_answer_earns_the_share_of_its_parts_that_are_right(wrong_parts, credit):
+    judgement = run_exercise(PARTS, wrong(**wrong_parts), watch_banned=False)
+    assert judgement.credit() == pytest.approx(credit)
+    if wrong_parts:
+        right = 3 - len(wrong_parts)
+        assert judgement.reason().startswith(f"{right} of 3 parts right; ")
+
+
+def test_a_part_is_right_only_when_every_case_that_judges_it_passes():
+    # right on the first sizes only: the part fails
+    def student(x, y):
+        return {**costs(x, y), "c": 3}
+    judgement = run_exercise(PARTS, student, watch_banned=False)
+    assert judgement.parts() == {"a": True, "b": True, "c": False}
+
+
+def test_a_refused_call_or_a_missing_answer_earns_nothing_whatever_the_parts():
+    judgement = run_exercise(PARTS, wrong(c=lambda x, y: 0), watch_banned=False)
+    judgement.banned = ["torch.softmax"]
+    assert judgement.credit() == 0.0
+    assert Judgement("ch99.costs", missing=True).credit() == 0.0
+
+
+def test_a_one_piece_answer_is_all_or_nothing():
+    judgement = run_exercise(get("ch04.split_heads"), lambda x, h: x.unsqueeze(1).expand(
+        -1, h, -1, -1)[..., : x.shape[-1] // h].contiguous(), watch_banned=False)
+    assert not judgement.passed and judgement.parts() == {} and judgement.credit() == 0.0
+
+
+def _merge_with_view(x):
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).view(b, t, h * d)
+
+
+VIEWS = Exercise(
+    key="ch99.merge", function="merge",
+    reference=lambda x: x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1),
+    cases=lambda: [Case("B=2, H=3, T=4, D=5", (randn(2, 3, 4, 5, seed=0),), hint="merge")],
+    compare=expect_tensor,
+    mistakes=(Mistake("a transposed tensor cannot be .view()ed: use .reshape", _merge_with_view),))
+
+
+def test_a_mistake_that_raises_is_named_when_the_student_raises_the_same_error():
+    judgement = run_exercise(VIEWS, _merge_with_view, watch_banned=False)
+    (result,) = judgement.results
+    assert not result.passed and result.named and "RuntimeError" in result.message
+    assert result.hint == VIEWS.mistakes[0].hint
+
+
+def test_another_error_gets_the_cases_own_hint():
+    def other(x):
+        raise ValueError("something else")
+    (result,) = run_exercise(VIEWS, other, watch_banned=False).results
+    assert not result.named and result.hint == "merge"
+
+
+def test_the_reason_shows_a_case_whose_hint_names_the_mistake_public_first():
+    judgement = Judgement("ch99.x", results=[
+        CaseResult("a", False, "ValueError: no", "own hint a"),
+        CaseResult("b", False, "your answer is too large", "you did the typical thing",
+                   hidden=True, named=True),
+        CaseResult("c", False, "your answer is too small", "you did the other thing",
+                   named=True)])
+    reason = judgement.reason()
+    assert "(one that names the mistake, 'c': your answer is too small; hint: you did the " \
+           "other thing)" in reason
+    judgement.results[2].named = False
+    assert "(one that names the mistake, a hidden case:" in judgement.reason()
+    judgement.results[1].named = False
+    assert "(first, 'a': ValueError: no; hint: own hint a)" in judgement.reason()
+
+
+def test_check_prints_which_parts_are_right(capsys):
+    from course_attn.grading.judge import format_judgement
+    text = format_judgement(run_exercise(PARTS, wrong(c=lambda x, y: 0), watch_banned=False))
+    assert "parts right: a, b (2 of 3, each part graded on its own)" in text.splitlines()[0]
+
+
+def test_a_tensor_answer_is_matched_to_a_mistake_as_before():
+    x = torch.zeros(1)
+    assert judge_case(VIEWS, VIEWS.public_cases()[0], x, Answer(value=x)).passed
