@@ -54,9 +54,50 @@ def mha_cost(C, H, T):
             "score_entries_multi": H * T * T, "score_entries_single": T * T}
 
 
+def leaky_self_attention(x, w_qkv, w_o, n_heads):
+    """The notebook's given layer, bug included (its cell ch04-causal_self_attention-given)."""
+    B, T, C = x.shape
+    D = C // n_heads
+    q, k, v = torch.einsum("btc,fc->btf", x, w_qkv).split(C, dim=-1)
+    q, k, v = (z.reshape(B, T, n_heads, D) for z in (q, k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+    future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+    weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    out = torch.einsum("bhqk,bkhd->bhqd", weights, v)
+    return out.reshape(B, T, C) @ w_o.T
+
+
+def causal_self_attention(x, w_qkv, w_o, n_heads):
+    B, T, C = x.shape
+    D = C // n_heads
+    q, k, v = torch.einsum("btc,fc->btf", x, w_qkv).split(C, dim=-1)
+    q, k, v = (z.reshape(B, T, n_heads, D) for z in (q, k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+    future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+    weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", weights, v)
+    return out.reshape(B, T, C) @ w_o.T
+
+
+def leak_pattern(T, H, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    C = H * D
+    x = torch.randn(1, T, C, generator=g, dtype=torch.float64)
+    w_qkv = torch.randn(3 * C, C, generator=g, dtype=torch.float64) / math.sqrt(C)
+    w_o = torch.randn(C, C, generator=g, dtype=torch.float64) / math.sqrt(C)
+    before = leaky_self_attention(x, w_qkv, w_o, H)
+    moved = torch.zeros(T, T, dtype=torch.bool)
+    for s in range(T):
+        changed = x.clone()
+        changed[0, s] = torch.randn(C, generator=g, dtype=torch.float64)
+        moved[:, s] = (leaky_self_attention(changed, w_qkv, w_o, H) != before)[0].any(dim=-1)
+    return moved
+
+
 @pytest.mark.parametrize("key, fn", [
     ("ch04.split_heads", split_heads), ("ch04.merge_heads", merge_heads),
-    ("ch04.multi_head_attention", multi_head_attention), ("ch04.mha_cost", mha_cost)])
+    ("ch04.multi_head_attention", multi_head_attention), ("ch04.mha_cost", mha_cost),
+    ("ch04.causal_self_attention", causal_self_attention), ("ch04.leak_pattern", leak_pattern)])
 def test_the_notebooks_solutions_pass_with_the_watch_on(key, fn):
     for cases in [None] + [hidden_cases(key, seed) or None for seed in range(5)]:
         judgement = run_exercise(get(key), fn, cases)
@@ -314,3 +355,145 @@ def test_mha_cost_may_not_call_the_package():
         layer = course_attn.MultiHeadAttention(C, H)
         return {**mha_cost(C, H, T), "params": sum(p.numel() for p in layer.parameters())}
     assert_banned("ch04.mha_cost", measured, "course_attn")
+
+
+def test_mha_cost_names_each_wrong_count_of_a_two_part_mistake_on_its_own():
+    """Mistakes are matched part by part: a student who left W_O out of the parameters only
+    (not of the multiply-adds) is named by the one declaration of that mistake."""
+    key, size = "ch04.mha_cost", " (C=512, H=8, T=1024)"
+    only_params = lambda C, H, T: {**mha_cost(C, H, T), "params": 3 * C * C}  # noqa: E731
+    assert_fails(key, only_params, "(a) parameters of the H-head layer" + size,
+                 hint="output projection W_O")
+    assert results(key, only_params)[
+        "(b) multiply-adds of the four projections, T tokens" + size].passed
+    # two mistakes in two parts: each part's case names its own
+    both = lambda C, H, T: {**mha_cost(C, H, T), "params": 4 * H * C * C,  # noqa: E731
+                            "score_entries_multi": T * T}
+    found = results(key, both)
+    assert "its own (C, C)" in found["(a) parameters of the H-head layer" + size].hint
+    assert "one table of weights" in found[
+        "(e) entries of the attention weights, H heads" + size].hint
+    hints = [m.hint for m in get(key).mistakes]
+    assert len(hints) == len(set(hints))       # one declaration per mistake
+
+
+# --- causal_self_attention (debug) ------------------------------------------------------------
+
+def test_the_given_leaky_layer_is_the_declared_bug_and_leaks_the_future():
+    key, first = "ch04.causal_self_attention", "B=2, T=6, C=12, H=3"
+    assert_fails(key, leaky_self_attention, first, hint="still lets an output read later tokens")
+    found = results(key, leaky_self_attention)
+    # where the bug cannot show (one head, one token), the given layer is right
+    assert found["one head (H=1): the bug cannot show"].passed
+    assert found["T=1: one token"].passed
+    # the symptom: changing the last token moves earlier outputs
+    case = next(c for c in get(key).public_cases() if c.name == first)
+    x, w_qkv, w_o, h = case.args
+    changed = x.clone()
+    changed[:, -1] += 1.0
+    moved = (leaky_self_attention(changed, w_qkv, w_o, h)
+             != leaky_self_attention(x, w_qkv, w_o, h)).any(-1).any(0)
+    assert moved[:-1].any()
+    fixed = (causal_self_attention(changed, w_qkv, w_o, h)
+             != causal_self_attention(x, w_qkv, w_o, h)).any(-1).any(0)
+    assert fixed.tolist() == [False] * (x.shape[1] - 1) + [True]
+
+
+def test_causal_self_attention_wrong_repairs():
+    key, first = "ch04.causal_self_attention", "B=2, T=6, C=12, H=3"
+
+    def strided(x, w_qkv, w_o, n_heads):
+        B, T, C = x.shape
+        D = C // n_heads
+        q, k, v = (z.reshape(B, T, n_heads, D).transpose(1, 2)
+                   for z in (x @ w_qkv.T).split(C, dim=-1))
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        w = torch.softmax((q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(~mask, -math.inf),
+                          dim=-1)
+        return (w @ v).permute(0, 2, 3, 1).reshape(B, T, C) @ w_o.T
+    assert_fails(key, strided, first, hint="interleave the heads")
+
+    def diagonal_masked(x, w_qkv, w_o, n_heads):
+        B, T, C = x.shape
+        D = C // n_heads
+        q, k, v = torch.einsum("btc,fc->btf", x, w_qkv).split(C, dim=-1)
+        q, k, v = (z.reshape(B, T, n_heads, D) for z in (q, k, v))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+        future = torch.ones(T, T, dtype=torch.bool).triu(0)    # "fixed" the mask instead
+        weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        return torch.einsum("bhqk,bkhd->bqhd", weights, v).reshape(B, T, C) @ w_o.T
+    assert_fails(key, diagonal_masked, first, hint="the mask was right")
+
+    # a transpose of the wrong axes: the shape is wrong, the case's hint says what to look at
+    def wrong_axes(x, w_qkv, w_o, n_heads):
+        out = causal_self_attention(x, w_qkv, w_o, n_heads)
+        return out.transpose(0, 1)
+    assert_fails(key, wrong_axes, first, message="shape")
+
+
+def test_causal_self_attention_is_the_packages_layer_with_a_fused_projection():
+    exercise = get("ch04.causal_self_attention")
+    for case in exercise.public_cases():
+        x, w_qkv, w_o, h = case.args
+        c = x.shape[-1]
+        layer = course_attn.MultiHeadAttention(c, h).to(x.dtype)
+        with torch.no_grad():
+            for proj, w in zip((layer.q_proj, layer.k_proj, layer.v_proj), w_qkv.chunk(3)):
+                proj.weight.copy_(w)
+            layer.out_proj.weight.copy_(w_o)
+            torch.testing.assert_close(layer(x, is_causal=True), exercise.expected(case))
+
+
+def test_causal_self_attention_may_not_call_a_library_attention():
+    def with_sdpa(x, w_qkv, w_o, n_heads):
+        q, k, v = (split_heads(z, n_heads) for z in (x @ w_qkv.T).chunk(3, dim=-1))
+        return merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True)) @ w_o.T
+    assert_banned("ch04.causal_self_attention", with_sdpa,
+                  "torch.nn.functional.scaled_dot_product_attention")
+
+
+# --- leak_pattern (measure) -------------------------------------------------------------------
+
+def test_the_leak_pattern_reference_is_the_formula_and_the_same_for_every_seed():
+    from course_attn.grading.ch04 import leak_pattern_formula, leak_pattern_reference
+    exercise = get("ch04.leak_pattern")
+    cases = exercise.public_cases() + [c for seed in range(5)
+                                       for c in hidden_cases("ch04.leak_pattern", seed)]
+    for case in cases:
+        T, H, D, seed = case.args
+        expected = leak_pattern_formula(T, H)
+        for other in (seed, seed + 1, seed + 12345):
+            assert torch.equal(leak_pattern_reference(T, H, D, other), expected), case.name
+        assert torch.equal(leak_pattern(T, H, D, seed + 7), expected), case.name
+    # what the chapter says: row 0 reads later tokens as soon as H > 1, every token when H >= T
+    assert leak_pattern_formula(6, 3)[0].tolist() == [True, True, True, False, False, False]
+    assert leak_pattern_formula(3, 4).all()
+
+
+def test_leak_pattern_mistakes():
+    key, first = "ch04.leak_pattern", "T=6, H=3, D=2, seed 0"
+    assert_fails(key, lambda T, H, D, seed: leak_pattern(T, H, D, seed).T, first,
+                 hint="transposed")
+
+    def repaired_layer(T, H, D, seed):      # measured the repaired layer, not the given one
+        g = torch.Generator().manual_seed(seed)
+        C = H * D
+        x = torch.randn(1, T, C, generator=g, dtype=torch.float64)
+        w_qkv = torch.randn(3 * C, C, generator=g, dtype=torch.float64)
+        w_o = torch.randn(C, C, generator=g, dtype=torch.float64)
+        before = causal_self_attention(x, w_qkv, w_o, H)
+        moved = torch.zeros(T, T, dtype=torch.bool)
+        for s in range(T):
+            changed = x.clone()
+            changed[0, s] = 0.0
+            moved[:, s] = (causal_self_attention(changed, w_qkv, w_o, H) != before)[0].any(-1)
+        return moved
+    assert_fails(key, repaired_layer, first, hint="pattern of a causal layer")
+    # a table of floats, not bools
+    assert_fails(key, lambda T, H, D, seed: leak_pattern(T, H, D, seed).double(), first,
+                 message="dtype")
+
+
+def test_leak_pattern_may_not_call_the_package():
+    from course_attn.grading.ch04 import leak_pattern_reference
+    assert_banned("ch04.leak_pattern", leak_pattern_reference, "course_attn")

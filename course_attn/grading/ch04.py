@@ -60,6 +60,7 @@ def _split_cases():
 
 register(Exercise(
     key="ch04.split_heads", function="split_heads", reference=split_heads,
+    task="warm-up",   # chapter 4's cell 10 and its summary show it
     ops=ELEMENTARY,
     cases=_split_cases, compare=expect_tensor, banned=("course_attn",),
     mistakes=(
@@ -109,6 +110,7 @@ def _merge_cases():
 
 register(Exercise(
     key="ch04.merge_heads", function="merge_heads", reference=merge_heads,
+    task="warm-up",   # chapter 4's cell 10 and its summary show it
     ops=ELEMENTARY,
     cases=_merge_cases, compare=expect_tensor, banned=("course_attn",),
     mistakes=(
@@ -179,6 +181,7 @@ def _mha_cases():
 
 register(Exercise(
     key="ch04.multi_head_attention", function="multi_head_attention",
+    task="warm-up",   # chapter 4's cell 10 with chapter 2's attention
     ops=ELEMENTARY | SOFTMAX,
     reference=multi_head_attention_reference, cases=_mha_cases,
     compare=expect_close_tensor(1e-5, 1e-5), banned=NO_LIBRARY_ATTENTION,
@@ -262,30 +265,20 @@ register(Exercise(
     task="derive",
     ops=NONE,
     cases=lambda: COSTS.cases(*COST_SIZES), compare=COSTS.compare, banned=("course_attn",),
+    # A mistake is matched on the one part a case judges, so each declares every count it gets
+    # wrong, and a student who got only one of them wrong is named all the same.
     mistakes=(
         Mistake("you left out the output projection W_O: it is a (C, C) matrix too",
                 _costing(params=lambda C, H, T, D: 3 * C * C,
                          projection_macs=lambda C, H, T, D: 3 * T * C * C)),
-        Mistake("you left out the output projection W_O: it is a (C, C) matrix too",
-                _costing(params=lambda C, H, T, D: 3 * C * C)),
-        Mistake("you left out the output projection W_O: it is a (C, C) matrix too",
-                _costing(projection_macs=lambda C, H, T, D: 3 * T * C * C)),
         Mistake("you gave each head its own (C, C) projections: the H heads share one (C, C) "
                 "matrix per projection, each head reading D = C / H of its output columns",
                 _costing(params=lambda C, H, T, D: 4 * H * C * C,
                          projection_macs=lambda C, H, T, D: 4 * H * T * C * C)),
-        Mistake("you gave each head its own (C, C) projections: the H heads share one (C, C) "
-                "matrix per projection, each head reading D = C / H of its output columns",
-                _costing(params=lambda C, H, T, D: 4 * H * C * C)),
         Mistake("you counted the projections of one head only, (C, D) each: the layer has all "
                 "H heads, (C, C) in all",
                 _costing(params=lambda C, H, T, D: 4 * C * D,
                          projection_macs=lambda C, H, T, D: 4 * T * C * D)),
-        Mistake("you counted the projections of one head only, (C, D) each: the layer has all "
-                "H heads, (C, C) in all", _costing(params=lambda C, H, T, D: 4 * C * D)),
-        Mistake("you counted the projections of one head only, (C, D) each: the layer has all "
-                "H heads, (C, C) in all",
-                _costing(projection_macs=lambda C, H, T, D: 4 * T * C * D)),
         Mistake("your heads' dot products run over all C channels: each head's q and k have "
                 "D = C / H channels",
                 _costing(attention_macs_multi=lambda C, H, T, D: H * 2 * T * T * C)),
@@ -296,12 +289,6 @@ register(Exercise(
                 "second product of the same size",
                 _costing(attention_macs_multi=lambda C, H, T, D: H * T * T * D,
                          attention_macs_single=lambda C, H, T, D: T * T * C)),
-        Mistake("you counted only the scores q kᵀ: the weighted sum (weights times v) is a "
-                "second product of the same size",
-                _costing(attention_macs_multi=lambda C, H, T, D: H * T * T * D)),
-        Mistake("you counted only the scores q kᵀ: the weighted sum (weights times v) is a "
-                "second product of the same size",
-                _costing(attention_macs_single=lambda C, H, T, D: T * T * C)),
         Mistake("you counted 2 FLOPs per multiply-add: the question asks for multiply-adds",
                 _costing(projection_macs=lambda C, H, T, D: 8 * T * C * C,
                          attention_macs_multi=lambda C, H, T, D: 4 * T * T * C,
@@ -314,9 +301,161 @@ register(Exercise(
                 "grow with D or C",
                 _costing(score_entries_multi=lambda C, H, T, D: H * T * D,
                          score_entries_single=lambda C, H, T, D: T * C)),
-        Mistake("the table of weights is (T, T) per head, whatever its width: it does not "
-                "grow with D or C", _costing(score_entries_multi=lambda C, H, T, D: H * T * D)),
-        Mistake("the table of weights is (T, T) per head, whatever its width: it does not "
-                "grow with D or C", _costing(score_entries_single=lambda C, H, T, D: T * C)),
+    ),
+))
+
+
+# --- ch04.causal_self_attention: repair a layer that leaks the future (debug) -----------------
+
+def leaky_self_attention(x, w_qkv, w_o, n_heads):
+    """The layer the notebook gives (its cell ``ch04-causal_self_attention-given``), bug
+    included: heads last, einsum, one fused (3C, C) projection; the heads' outputs, (B, H, T,
+    D), are flattened to (B, T, C) without putting time before the heads, so output row t
+    holds several positions of one head, some of them after t."""
+    B, T, C = x.shape
+    D = C // n_heads
+    q, k, v = torch.einsum("btc,fc->btf", x, w_qkv).split(C, dim=-1)     # (B, T, C) each
+    q, k, v = (z.reshape(B, T, n_heads, D) for z in (q, k, v))             # (B, T, H, D)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)           # (B, H, T, T)
+    future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+    weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    out = torch.einsum("bhqk,bkhd->bhqd", weights, v)                       # (B, H, T, D)
+    return out.reshape(B, T, C) @ w_o.T
+
+
+def _fused(w_qkv):
+    return w_qkv.chunk(3, dim=0)
+
+
+def causal_self_attention_reference(x, w_qkv, w_o, n_heads):
+    """x (B, T, C), w_qkv (3C, C) = [W_Q; W_K; W_V] in (out, in), w_o (C, C) -> (B, T, C):
+    causal H-head self-attention, the package's layer."""
+    return multi_head_attention_reference(x, *_fused(w_qkv), w_o, n_heads, True)
+
+
+def _causal_with(*, merge=merge_heads, diagonal=False):
+    """A typical wrong repair: the reference with another merge, or the diagonal masked too."""
+    def fn(x, w_qkv, w_o, n_heads):
+        q, k, v = (split_heads(x @ w.T, n_heads) for w in _fused(w_qkv))
+        t, d = x.shape[1], q.shape[-1]
+        allowed = torch.ones(t, t, dtype=torch.bool, device=x.device).tril(-1 if diagonal else 0)
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(d)).masked_fill(~allowed, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v       # a row with no key: NaN, as a student's
+        return merge(out) @ w_o.T
+    return fn
+
+
+def causal_case(name, b, t, c, h, seed, dtype=torch.float32, hint=""):
+    gen = torch.Generator().manual_seed(seed)
+    x = randn(b, t, c, seed=gen, dtype=dtype)
+    w_qkv = randn(3 * c, c, seed=gen, dtype=dtype, scale=1 / math.sqrt(c))
+    w_o = randn(c, c, seed=gen, dtype=dtype, scale=1 / math.sqrt(c))
+    return Case(name, (x, w_qkv, w_o, h), hint=hint)
+
+
+def _causal_cases():
+    yield causal_case("B=2, T=6, C=12, H=3", 2, 6, 12, 3, 440,
+                      hint="output position t may depend on tokens 0 .. t only: change a later "
+                           "token and it must not move")
+    yield causal_case("B=1, T=5, C=8, H=2", 1, 5, 8, 2, 441,
+                      hint="compare each step's layout with what the next step reads: which "
+                           "axis is time, which is the head?")
+    yield causal_case("more heads than tokens: T=3, C=8, H=4", 2, 3, 8, 4, 442,
+                      hint="with H >= T the leak reaches every output: each reads every token")
+    yield causal_case("one head (H=1): the bug cannot show", 2, 4, 6, 1, 443,
+                      hint="with one head the layer is chapter 3's causal attention")
+    yield causal_case("heads of width 1 (H=C=4)", 1, 5, 4, 4, 444,
+                      hint="D = 1: channel h of output t is head h at position t")
+    yield causal_case("T=1: one token", 3, 1, 8, 2, 445,
+                      hint="one token attends to itself: its output is its value, projected")
+    yield causal_case("float64, B=2, T=7, C=16, H=4", 2, 7, 16, 4, 446, dtype=torch.float64,
+                      hint="keep the dtype: do not convert the inputs")
+
+
+register(Exercise(
+    key="ch04.causal_self_attention", function="causal_self_attention",
+    task="debug",
+    reference=causal_self_attention_reference, cases=_causal_cases,
+    ops=ELEMENTARY | SOFTMAX,
+    compare=expect_close_tensor(1e-5, 1e-5), banned=NO_LIBRARY_ATTENTION,
+    mistakes=(
+        Mistake("your layer still lets an output read later tokens: the heads' outputs are "
+                "(B, H, T, D), and flattening them to (B, T, C) as they are puts several "
+                "positions of one head in output row t; time must come before the heads "
+                "before the last two axes are flattened", leaky_self_attention),
+        Mistake("your output channels interleave the heads (channel j comes from head j mod "
+                "H): head h must fill the contiguous block h·D .. (h+1)·D - 1, as the fused "
+                "projection's output was split", _causal_with(merge=_merge_strided)),
+        Mistake("the mask was right: a query may attend to itself, and masking the diagonal "
+                "too leaves the first query no key at all (a row of NaN)",
+                _causal_with(diagonal=True)),
+    ),
+))
+
+
+# --- ch04.leak_pattern: measure which tokens each output of the leaky layer reads -------------
+
+def leak_pattern_reference(T, H, D, seed):
+    """The experiment, as the notebook asks it: the leaky layer of width C = H·D with weights
+    and one sequence of T tokens drawn from ``seed``; token s replaced by another random
+    vector, for each s; returns bool (T, T), [t, s] = output t moved.
+
+    Compared exactly, and rightly so: an output that does not depend on token s is computed by
+    the same operations on the same numbers (a masked weight is exactly 0, and a row of a
+    product never reads another row of its input), so it does not move by a single bit; one
+    that depends on it moves by about the size of the outputs, since the new token is a fresh
+    draw. Any seed gives the same pattern (the structure of the layer, not its numbers)."""
+    gen = torch.Generator().manual_seed(seed)
+    C = H * D
+    x = torch.randn(1, T, C, generator=gen, dtype=torch.float64)
+    w_qkv = torch.randn(3 * C, C, generator=gen, dtype=torch.float64) / math.sqrt(C)
+    w_o = torch.randn(C, C, generator=gen, dtype=torch.float64) / math.sqrt(C)
+    before = leaky_self_attention(x, w_qkv, w_o, H)
+    moved = torch.zeros(T, T, dtype=torch.bool)
+    for s in range(T):
+        changed = x.clone()
+        changed[0, s] = torch.randn(C, generator=gen, dtype=torch.float64)
+        moved[:, s] = (leaky_self_attention(changed, w_qkv, w_o, H) != before)[0].any(dim=-1)
+    return moved
+
+
+def leak_pattern_formula(T, H, D=1, seed=0):
+    """The same pattern worked out (tests/test_checks_ch04.py checks that the two agree):
+    output row t holds the flat (head, position) slots h·T + t' in [t·H, (t+1)·H), and slot
+    (h, t') reads the tokens 0 .. t' (a causal head)."""
+    slots = torch.arange(T * H).reshape(T, H)            # row t: slots t·H .. t·H + H - 1
+    latest = (slots % T).amax(dim=1)                      # the latest position a row reads
+    return torch.arange(T)[None, :] <= latest[:, None]
+
+
+def _causal_pattern(T, H, D, seed):
+    return torch.ones(T, T, dtype=torch.bool).tril()
+
+
+def _leak_cases():
+    yield Case("T=6, H=3, D=2, seed 0", (6, 3, 2, 0),
+               hint="row t: output position t; column s: the token you changed; True where "
+                    "output t moved")
+    yield Case("T=5, H=2, D=3, seed 1 (T not a multiple of H)", (5, 2, 3, 1),
+               hint="change one token at a time, run the given layer, and compare every output "
+                    "position with the unchanged run")
+    yield Case("T=3, H=4, D=2, seed 2 (more heads than tokens)", (3, 4, 2, 2),
+               hint="with H >= T, every output row reads every token")
+    yield Case("T=4, H=1, D=4, seed 3 (one head: no leak)", (4, 1, 4, 3),
+               hint="with one head the layer is causal: output t reads tokens 0 .. t")
+
+
+register(Exercise(
+    key="ch04.leak_pattern", function="leak_pattern",
+    task="measure",
+    reference=leak_pattern_reference, cases=_leak_cases, compare=expect_tensor,
+    # It runs the notebook's leaky layer (einsum, softmax); the package's layers are refused.
+    ops=ELEMENTARY | SOFTMAX, banned=("course_attn",),
+    mistakes=(
+        Mistake("your table is transposed: row t must be output position t and column s the "
+                "token you changed", lambda T, H, D, seed:
+                leak_pattern_reference(T, H, D, seed).T.contiguous()),
+        Mistake("that is the pattern of a causal layer (output t reads tokens 0 .. t): measure "
+                "the given leaky layer, whose merge mixes positions", _causal_pattern),
     ),
 ))

@@ -151,3 +151,72 @@ def _(gen):
     h, d = randint(2, 16, gen), randint(1, 32, gen)
     sizes.append(dict(C=h * d, H=h, T=randint(2 * h * d + 1, 16 * h * d, gen)))
     yield from COSTS.cases(*sizes)
+
+
+# --- causal_self_attention (debug): x, w_qkv, w_o, n_heads ------------------------------------
+# The leaky merge is right when H = 1 or T = 1; the interleaved merge when H = 1 or D = 1; the
+# masked diagonal fails everywhere (a row of NaN). The first case (H, T, D >= 2) catches every
+# typical mistake on every seed; the second puts more heads than tokens.
+
+def _causal_case(name, b, t, h, d, gen, dtype=torch.float32):
+    c = h * d
+    x = randn(b, t, c, seed=gen, dtype=dtype)
+    w_qkv = randn(3 * c, c, seed=gen, dtype=dtype, scale=c ** -0.5)
+    w_o = randn(c, c, seed=gen, dtype=dtype, scale=c ** -0.5)
+    return Case(f"{name}B={b}, T={t}, C={c}, H={h}", (x, w_qkv, w_o, h))
+
+
+@hidden("ch04.causal_self_attention", regimes={
+    "H > 1 and D > 1, T > H (the leak reaches some outputs)":
+        lambda case: 1 < case.args[3] < _x(case).shape[2] and _x(case).shape[1] > case.args[3],
+    "2 <= T <= H (every output reads every token)":
+        lambda case: 2 <= _x(case).shape[1] <= case.args[3],
+    "H = 1 (one head: no leak)": lambda case: case.args[3] == 1,
+    "D = 1 (heads of width 1)": lambda case: 1 < case.args[3] == _x(case).shape[2],
+    "T = 1 (one token)": lambda case: _x(case).shape[1] == 1,
+    "B = 1": lambda case: _x(case).shape[0] == 1,
+    "B > 1": lambda case: _x(case).shape[0] > 1,
+    "float32": _dtype(torch.float32),
+    "float64": _dtype(torch.float64),
+})
+def _(gen):
+    h = randint(2, 4, gen)
+    b, t, d = randint(2, 3, gen), randint(h + 1, 10, gen), randint(2, 5, gen)
+    yield _causal_case("", b, t, h, d, gen)
+    h = randint(3, 6, gen)
+    t, d = randint(2, h, gen), randint(2, 4, gen)
+    yield _causal_case("float64, ", 1, t, h, d, gen, torch.float64)
+    b, t, c = randint(1, 3, gen), randint(2, 7, gen), randint(2, 8, gen)
+    yield _causal_case("one head, ", b, t, 1, c, gen)
+    b, t, h = randint(1, 2, gen), randint(2, 7, gen), randint(2, 6, gen)
+    yield _causal_case("heads of width 1, ", b, t, h, 1, gen)
+    b, h, d = randint(1, 3, gen), randint(2, 4, gen), randint(2, 4, gen)
+    yield _causal_case("T=1, ", b, 1, h, d, gen)
+
+
+# --- leak_pattern (measure): T, H, D, seed ---------------------------------------------------
+# The transposed table is right only where the pattern is symmetric (H >= T: all True; T = 1),
+# the causal pattern where the layer does not leak (H = 1). The first two regimes have
+# H >= 2 and T > H, where the pattern is neither; the seed is a fresh one each time.
+
+@hidden("ch04.leak_pattern", regimes={
+    "2 <= H < T, T a multiple of H (no row spans two heads)":
+        lambda case: 2 <= case.args[1] < case.args[0] and case.args[0] % case.args[1] == 0,
+    "2 <= H < T, T not a multiple of H (some rows span two heads)":
+        lambda case: 2 <= case.args[1] < case.args[0] and case.args[0] % case.args[1] != 0,
+    "2 <= T <= H (every output reads every token)":
+        lambda case: 2 <= case.args[0] <= case.args[1],
+    "H = 1 (one head: a causal layer)": lambda case: case.args[1] == 1,
+})
+def _(gen):
+    h = randint(2, 4, gen)
+    t = h * randint(2, 4, gen)
+    yield Case(f"T={t}, H={h}", (t, h, randint(1, 4, gen), randint(0, 10_000, gen)))
+    h = randint(2, 4, gen)
+    t = h * randint(1, 3, gen) + randint(1, h - 1, gen)
+    yield Case(f"T={t}, H={h}", (t, h, randint(1, 4, gen), randint(0, 10_000, gen)))
+    h = randint(2, 6, gen)
+    t = randint(2, h, gen)
+    yield Case(f"T={t}, H={h}", (t, h, randint(1, 4, gen), randint(0, 10_000, gen)))
+    t = randint(2, 8, gen)
+    yield Case(f"T={t}, H=1", (t, 1, randint(1, 4, gen), randint(0, 10_000, gen)))
