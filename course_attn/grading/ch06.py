@@ -1,16 +1,25 @@
 """Exercises of Chapter 6, QK-norm.
 
     ch06.rms_norm           rms_norm(x, weight=None, eps=1e-6) -> (..., D): each vector over the
-                            last axis divided by its root-mean-square, times the gains
+                            last axis divided by its root-mean-square, times the gains (warm-up:
+                            the chapter's cell)
+    ch06.gemma_rms_norm     gemma_rms_norm(x, weight, eps=1e-6) -> (..., D): RMSNorm whose stored
+                            gain is zero-centred, as Gemma's checkpoints hold it: times (1 + w)
     ch06.qk_norm_attention  qk_norm_attention(q, k, v, q_weight, k_weight, is_causal=False)
                             -> (B, H, Tq, Dv): RMS-norm q and k over the head dimension (with
-                            their gains), then softmax(q kᵀ/√D) v
+                            their gains), then softmax(q kᵀ/√D) v (warm-up)
+    ch06.qk_norm_heads      qk_norm_heads(q, k, v, q_gain, k_gain) -> (B, T, H, Dv): debug a given
+                            causal QK-norm attention on (B, T, H, D) heads that folds the
+                            softmax scale into q before the norm, which undoes it
     ch06.softcap            softcap(scores, cap) -> cap · tanh(scores / cap), Gemma 2's logit
-                            soft-capping
+                            soft-capping (warm-up)
     ch06.qk_norm_limits     qk_norm_limits(D, T, q_gain, k_gain, weight) -> dict: the largest
                             score and the largest weight QK-norm allows, and the gain a weight
                             needs, for the sizes and gains given (derive: compared with the
                             formulas, computed)
+    ch06.qk_rope_predictions qk_rope_predictions(D, q_gain, k_gain, candidates) -> dict: predict
+                            which candidate is the largest |score| with the norm after RoPE and
+                            with it before, and which order allows the sharper softmax
 
 References: ``course_attn.rms_norm`` and ``course_attn.scaled_dot_product_attention``; the
 soft-cap formula; the limits computed from the bound |q̂·k̂| ≤ max_i |g^Q_i g^K_i| · D.
@@ -69,6 +78,11 @@ def _rms_eps_outside(x, weight=None, eps=1e-6):
     return _with_weight(x / (_rms(x).sqrt() + eps), weight)
 
 
+def _rms_no_eps(x, weight=None, eps=1e-6):
+    """What ``F.normalize(x, dim=-1) * sqrt(D)`` computes: x / RMS(x) with no eps at all."""
+    return _with_weight(x * torch.rsqrt(_rms(x)), weight)
+
+
 def _rms_by_norm(x, weight=None, eps=1e-6):
     return _with_weight(x / (x.pow(2).sum(dim=-1, keepdim=True) + eps).sqrt(), weight)
 
@@ -84,6 +98,7 @@ def _rms_layer_norm(x, weight=None, eps=1e-6):
 
 register(Exercise(
     key="ch06.rms_norm", function="rms_norm",
+    task="warm-up",
     ops=ELEMENTARY,
     reference=lambda x, weight=None, eps=1e-6: rms_norm(x, weight, eps),
     cases=_rms_cases, compare=expect_tensor, banned=NO_LIBRARY_RMS_NORM,
@@ -92,6 +107,9 @@ register(Exercise(
                 "by channel", lambda x, weight=None, eps=1e-6: rms_norm(x, None, eps)),
         Mistake("you divided by the mean of |x|, not by the root of the mean of the squares",
                 _rms_mean_abs),
+        Mistake("you left eps out (as x / RMS(x), or F.normalize(x) · sqrt(D), computes): "
+                "RMSNorm adds eps to the mean of the squares, under the square root",
+                _rms_no_eps),
         Mistake("you added eps after the square root: it goes inside, sqrt(mean(x²) + eps)",
                 _rms_eps_outside),
         Mistake("you divided by the norm of x (the root of the SUM of squares): the RMS is "
@@ -100,6 +118,59 @@ register(Exercise(
                 "last axis", _rms_wrong_axis),
         Mistake("you subtracted the mean (that is LayerNorm): RMSNorm only divides by the "
                 "root-mean-square", _rms_layer_norm),
+    ),
+))
+
+
+# --- ch06.gemma_rms_norm: the gain stored zero-centred -------------------------------------------
+# Gemma's checkpoints store an RMSNorm's gain as w with the gain 1 + w (zero-initialised: a fresh
+# norm is the plain normalisation); loading one into a Llama-style RMSNorm, which multiplies by
+# w, is a known way to get a model that outputs nonsense.
+
+def gemma_rms_norm_reference(x, weight, eps=1e-6):
+    """(..., D), (D,) -> (..., D): x / sqrt(mean(x²) + eps) · (1 + weight)."""
+    return rms_norm(x, 1.0 + weight, eps)
+
+
+def _gemma_cases():
+    yield Case("x (2, 3, 8), a stored weight near 0 (as a checkpoint holds it)",
+               (randn(2, 3, 8, seed=90, scale=3.0), 0.1 * randn(8, seed=91)),
+               hint="the gain of channel i is 1 + weight[i]; normalise over the last axis first")
+    yield Case("x (4, 6), a weight of zeros: the plain normalisation",
+               (randn(4, 6, seed=92), torch.zeros(6)),
+               hint="a zero weight means a gain of 1: the result has RMS 1")
+    yield Case("x (2, 2, 5, 16), float64, a weight of size about 1",
+               (randn(2, 2, 5, 16, seed=93, dtype=torch.float64, scale=2.0),
+                randn(16, seed=94, dtype=torch.float64)),
+               hint="do not convert the inputs; let their dtype flow through")
+    yield Case("small x (3, 4), eps=0.1", (randn(3, 4, seed=95, scale=0.1), 0.5 * randn(4, seed=96)),
+               {"eps": 0.1}, hint="eps is added to the mean of the squares, inside the square root")
+
+
+def _gemma_with(fn):
+    return lambda x, weight, eps=1e-6: fn(x, weight, eps)
+
+
+register(Exercise(
+    key="ch06.gemma_rms_norm", function="gemma_rms_norm", reference=gemma_rms_norm_reference,
+    task="implement",
+    ops=ELEMENTARY,
+    cases=_gemma_cases, compare=expect_tensor, banned=NO_LIBRARY_RMS_NORM,
+    mistakes=(
+        Mistake("you multiplied by the stored weight itself, as a Llama-style RMSNorm does: "
+                "Gemma stores the gain zero-centred, so a weight of 0 keeps a channel as it is",
+                _gemma_with(lambda x, w, eps: rms_norm(x, w, eps))),
+        Mistake("you added the weight to the normalised vector: the gain 1 + weight multiplies "
+                "it, channel by channel",
+                _gemma_with(lambda x, w, eps: rms_norm(x, None, eps) + w)),
+        Mistake("you applied the gain before normalising: the RMS is then that of the scaled "
+                "vector, and the norm divides part of the gain away; normalise, then multiply",
+                _gemma_with(lambda x, w, eps: rms_norm(x * (1 + w), None, eps))),
+        Mistake("you left eps out (as x / RMS(x), or F.normalize(x) · sqrt(D), computes): "
+                "RMSNorm adds eps to the mean of the squares, under the square root",
+                _gemma_with(lambda x, w, eps: _rms_no_eps(x, 1 + w))),
+        Mistake("you added eps after the square root: it goes inside, sqrt(mean(x²) + eps)",
+                _gemma_with(lambda x, w, eps: _rms_eps_outside(x, 1 + w, eps))),
     ),
 ))
 
@@ -135,6 +206,11 @@ def _qk_over(dim):
         _norm_over(q, qw, dim), _norm_over(k, kw, dim), v, is_causal)
 
 
+def _unit(x):
+    """x over its norm (as F.normalize(x, dim=-1)): norm 1, not RMS 1."""
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
 def _qk_norm_scores(q, k, v, qw, kw, is_causal=False):
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     return _softmax_times_v(rms_norm(scores), v, is_causal)
@@ -168,6 +244,7 @@ def _qk_cases():
 
 register(Exercise(
     key="ch06.qk_norm_attention", function="qk_norm_attention",
+    task="warm-up",
     ops=ELEMENTARY | SOFTMAX,
     reference=qk_norm_attention_reference, cases=_qk_cases, compare=expect_tensor,
     banned=NO_LIBRARY_ATTENTION,
@@ -180,6 +257,10 @@ register(Exercise(
                 "over the head dimension D (the last axis)", _qk_over(1)),
         Mistake("you normalised over the positions (axis -2): QK-norm normalises each query and "
                 "each key on its own, over D (the last axis)", _qk_over(-2)),
+        Mistake("you L2-normalised q and k (norm 1, as F.normalize does): RMSNorm makes their "
+                "RMS 1, so their norm is sqrt(D), and your scores are too small",
+                lambda q, k, v, qw, kw, is_causal=False: _attend(
+                    _unit(q) * qw, _unit(k) * kw, v, is_causal)),
         Mistake("you normalised v too: QK-norm touches only the queries and the keys",
                 lambda q, k, v, qw, kw, is_causal=False: _attend(
                     rms_norm(q, qw), rms_norm(k, kw), rms_norm(v), is_causal)),
@@ -191,6 +272,87 @@ register(Exercise(
         Mistake("you normalised only q: k needs its own RMSNorm too",
                 lambda q, k, v, qw, kw, is_causal=False: _attend(
                     rms_norm(q, qw), k, v, is_causal)),
+    ),
+))
+
+
+# --- ch06.qk_norm_heads: debug a QK-norm attention that folds the scale in too early -------------
+# The given function (the notebook's locked cell, the same code as _qk_norm_heads_given) works on
+# heads as the projections give them, (B, T, H, D), and folds the softmax's 1/sqrt(D) into q to
+# save a multiplication on the (T, T) scores, as many implementations do; but it folds it in
+# before q's RMSNorm, which divides any positive factor away: its scores are never scaled.
+
+QK_NORM_HEADS_GIVEN = '''\
+def qk_norm_heads(q, k, v, q_gain, k_gain):
+    """Causal attention with QK-norm, on heads laid out as the projections give them.
+
+    q, k: (B, T, H, D); v: (B, T, H, Dv); q_gain, k_gain: (D,) -> (B, T, H, Dv).
+    """
+    head_dim = q.shape[-1]
+    q = q * head_dim ** -0.5                  # fold the softmax's 1/sqrt(D) into the queries
+    q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * q_gain
+    k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * k_gain
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k)            # (B, H, T, T)
+    t = scores.shape[-1]
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", weights, v)
+'''
+
+_given: dict = {"torch": torch}
+exec(QK_NORM_HEADS_GIVEN, _given)
+_qk_norm_heads_given = _given["qk_norm_heads"]
+
+
+def _heads_attention(q, k, v, q_gain, k_gain, scale):
+    """(B, T, H, D) heads, causal, with the scores times ``scale``; (B, T, H, Dv)."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))                    # (B, H, T, ·)
+    out = scaled_dot_product_attention(rms_norm(q, q_gain), rms_norm(k, k_gain), v,
+                                       is_causal=True, scale=scale)
+    return out.transpose(1, 2)
+
+
+def qk_norm_heads_reference(q, k, v, q_gain, k_gain):
+    """(B, T, H, D), (B, T, H, D), (B, T, H, Dv), (D,), (D,) -> (B, T, H, Dv): causal
+    softmax(q̂ k̂ᵀ / sqrt(D)) v per head, q̂ and k̂ RMS-normalised over D with their gains."""
+    return _heads_attention(q, k, v, q_gain, k_gain, 1 / math.sqrt(q.shape[-1]))
+
+
+def _heads_cases():
+    g = torch.Generator().manual_seed(100)
+    q, k, v = (randn(2, 5, 3, 8, seed=g, scale=3.0) for _ in range(3))
+    gains = 1.0 + 0.5 * randn(8, seed=g), 1.0 + 0.5 * randn(8, seed=g)
+    yield Case("B=2, T=5, H=3, D=8, gains near 1", (q, k, v, *gains),
+               hint="normalise q and k over D (the last axis) with their gains, then "
+                    "softmax(q̂ k̂ᵀ / sqrt(D)) v with a causal mask, per head")
+    q, k, v = (randn(1, 6, 2, 16, seed=g) for _ in range(3))
+    ones = torch.ones(16)
+    yield Case("T=6, H=2, D=16, unit gains", (q, k, v, ones, ones),
+               hint="with unit gains every score is at most sqrt(D) in size")
+    q, k, v = randn(1, 4, 4, 4, seed=g, scale=5.0), randn(1, 4, 4, 4, seed=g), randn(1, 4, 4, 3,
+                                                                                     seed=g)
+    yield Case("H=4, D=4, Dv=3", (q, k, v, randn(4, seed=g), randn(4, seed=g)),
+               hint="the values keep their own width Dv; only q and k are normalised")
+    q, k, v = (randn(2, 7, 2, 8, seed=g, dtype=torch.float64, scale=2.0) for _ in range(3))
+    w = 1.0 + randn(8, seed=g, dtype=torch.float64)
+    yield Case("float64, T=7, H=2, D=8", (q, k, v, w, w.flip(0)),
+               hint="do not convert the inputs; let their dtype flow through")
+
+
+UNSCALED = ("the softmax's 1/sqrt(D) never reaches your scores: a factor applied to q before "
+            "its RMSNorm is divided away by the norm (rms_norm(c·q) = rms_norm(q) for c > 0)")
+
+register(Exercise(
+    key="ch06.qk_norm_heads", function="qk_norm_heads", reference=qk_norm_heads_reference,
+    task="debug",
+    ops=ELEMENTARY | SOFTMAX,
+    cases=_heads_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
+    mistakes=(
+        Mistake(UNSCALED, _qk_norm_heads_given),
+        Mistake(UNSCALED, lambda q, k, v, qg, kg: _heads_attention(q, k, v, qg, kg, 1.0)),
+        Mistake("you divided the scores by sqrt(D) twice (once on q̂ and once on k̂, or on q̂ "
+                "and on the scores): the attention is too flat",
+                lambda q, k, v, qg, kg: _heads_attention(q, k, v, qg, kg, 1 / q.shape[-1])),
     ),
 ))
 
@@ -218,6 +380,7 @@ def _softcap_cases():
 
 register(Exercise(
     key="ch06.softcap", function="softcap", reference=softcap_reference,
+    task="warm-up",
     ops=ELEMENTARY,
     cases=_softcap_cases, compare=expect_tensor, banned=("course_attn",),
     mistakes=(
@@ -355,5 +518,158 @@ register(Exercise(
         Mistake("a gain g on q and a gain g on k multiply each score by g², not g: you gave the "
                 "g² that is needed",
                 _answering(gain_for_weight=lambda D, T, qg, kg, w: _gain_for(w, D, T) ** 2)),
+    ),
+))
+
+
+# --- ch06.qk_rope_predictions: the bound before and after RoPE -----------------------------------
+# With the norm AFTER RoPE the gains come last, so q̂·k̂ = sum_i g^Q_i g^K_i q̃_i k̃_i with q̃, k̃
+# any vectors of norm sqrt(D): the largest |score| is max_i |g^Q_i g^K_i| · sqrt(D) (the
+# chapter's bound). With the norm BEFORE RoPE the rotation comes after the gains and turns each
+# pair of channels (i, i + D/2) by its own angle: q's gain on channel i can meet k's gain on
+# channel i + D/2 (a quarter turn), never a gain of another pair. The largest |score| over all q,
+# k and positions is then max over the pairs p of (the larger |g^Q| of p) · (the larger |g^K| of
+# p) · sqrt(D): the bound max|g^Q| · max|g^K| · sqrt(D) holds, but is reached only when the two
+# largest gains sit in one pair. (A supremum: positions whose angles come as close as one likes
+# to the quarter turn.)
+
+ORDER_OPTIONS = ("before", "after", "same")
+
+ROPE_ORDER_QUESTIONS = {
+    "after_rope": (
+        "(a) the candidate that is the largest |score| with the norm after RoPE",
+        "after RoPE the norm's gains are the last thing q and k meet: the rotation has already "
+        "happened"),
+    "before_rope": (
+        "(b) the candidate that is the largest |score| with the norm before RoPE",
+        "with the norm before RoPE, the rotation comes after the gains, and it turns channel i "
+        "together with channel i + D/2 only"),
+    "sharper": (
+        "(c) the order that lets one key get the larger weight (or 'same')",
+        "the largest weight grows with the bound on |score|; compare (a) and (b)"),
+}
+
+
+def _pair_products(q_gain, k_gain):
+    d = len(q_gain)
+    half = d // 2
+    return [max(abs(q_gain[i]), abs(q_gain[i + half])) * max(abs(k_gain[i]), abs(k_gain[i + half]))
+            for i in range(half)]
+
+
+def rope_order_bounds(D, q_gain, k_gain):
+    """The largest |score| in each order, and the wrong formulas the candidates also hold."""
+    root = math.sqrt(D)
+    channel = _largest_gain_product(q_gain, k_gain)
+    return {"after": channel * root,
+            "before": max(_pair_products(q_gain, k_gain)) * root,
+            "largest_times_largest": max(map(abs, q_gain)) * max(map(abs, k_gain)) * root,
+            "unit_gains": root,
+            "no_scale": channel * D}
+
+
+def _letter_of(candidates, value):
+    """The letter of the candidate equal to ``value`` (within 1e-6), or "" if none is."""
+    return next((letter for letter, number in candidates.items()
+                 if math.isclose(number, value, rel_tol=1e-6)), "")
+
+
+def qk_rope_predictions_reference(D, q_gain, k_gain, candidates):
+    bounds = rope_order_bounds(D, q_gain, k_gain)
+    after, before = bounds["after"], bounds["before"]
+    sharper = "same" if math.isclose(before, after, rel_tol=1e-9) else \
+        ("before" if before > after else "after")
+    return {"after_rope": _letter_of(candidates, after),
+            "before_rope": _letter_of(candidates, before), "sharper": sharper}
+
+
+def rope_order_candidates(D, q_gain, k_gain, letters="ABCDE"):
+    """The distinct values of ``rope_order_bounds`` rounded to 6 digits, each under a letter of
+    ``letters`` (in that order)."""
+    values = []
+    for value in rope_order_bounds(D, q_gain, k_gain).values():
+        if not any(math.isclose(value, v, rel_tol=1e-3) for v in values):
+            values.append(round(value, 6))
+    return dict(zip(letters, values))
+
+
+# Two gain patterns of the chapter's D = 8 heads: (1) q's largest gain in pair (1, 5) sits on
+# channel 1, k's on its partner 5, and the largest gains of all sit in other pairs (0 and 2);
+# (2) gains equal within each pair (the chapter's `paired`), D = 4.
+_Q1 = [2.3, 1.8, 0.4, 0.9, 0.5, -0.3, 0.6, 1.0]
+_K1 = [0.3, -0.4, 2.2, 0.8, -0.6, 1.7, 0.4, 0.7]
+_Q2 = [1.5, -0.7, 1.5, -0.7]
+_K2 = [0.6, 1.9, 0.6, 1.9]
+PUBLIC_ROPE_ORDER = (
+    dict(D=8, q_gain=_Q1, k_gain=_K1, candidates=rope_order_candidates(8, _Q1, _K1, "CAEBD")),
+    dict(D=4, q_gain=_Q2, k_gain=_K2, candidates=rope_order_candidates(4, _Q2, _K2, "BDAC")),
+)
+
+
+def _same_choice(key, actual, expected) -> bool:
+    return isinstance(actual, str) and actual.strip() == expected
+
+
+def _wrong_choice(key, actual, expected) -> str:
+    options = ORDER_OPTIONS if key == "sharper" else ("a letter of the candidates",)
+    if not isinstance(actual, str):
+        return f"your answer {key!r} should be a string: {', '.join(map(repr, options))}"
+    if key == "sharper" and actual.strip() not in ORDER_OPTIONS:
+        return (f"your answer {key!r} is not one of the options "
+                f"{', '.join(map(repr, ORDER_OPTIONS))}")
+    return f"your answer {key!r} is not the right choice"
+
+
+ROPE_ORDER = Questions(ROPE_ORDER_QUESTIONS, same=_same_choice, wrong=_wrong_choice)
+
+
+def _choosing(key, formula=None, answer=None):
+    """A typical wrong prediction: the right answers, with ``key`` answered by the letter of the
+    bound ``formula`` (a key of ``rope_order_bounds``) or by ``answer(right)``."""
+    def fn(D, q_gain, k_gain, candidates):
+        right = qk_rope_predictions_reference(D, q_gain, k_gain, candidates)
+        if formula is not None:
+            wrong = _letter_of(candidates, rope_order_bounds(D, q_gain, k_gain)[formula])
+        else:
+            wrong = answer(right)
+        return {**right, key: wrong}
+    return fn
+
+
+register(Exercise(
+    key="ch06.qk_rope_predictions", function="qk_rope_predictions",
+    reference=qk_rope_predictions_reference,
+    task="predict",
+    ops=NONE,
+    cases=lambda: ROPE_ORDER.cases(*PUBLIC_ROPE_ORDER), compare=ROPE_ORDER.compare,
+    # Worked out by hand: no tensors, no rotation run to find out.
+    banned=("course_attn", "torch.tensor", "torch.as_tensor", "torch.randn", "torch.zeros",
+            "torch.ones", "torch.arange", "torch.polar", "torch.complex"),
+    mistakes=(
+        Mistake("with the norm after RoPE the gains multiply q and k last, channel by channel: "
+                "the rotation cannot carry k's gain on one channel of a pair to q's gain on the "
+                "other", _choosing("after_rope", "before")),
+        Mistake("with the norm before RoPE the rotation comes after the gains: it turns "
+                "channel i into channel i + D/2, so q's gain on one channel of a pair can meet "
+                "k's gain on the other", _choosing("before_rope", "after")),
+        Mistake("the largest gain of q and the largest gain of k meet only if something brings "
+                "their channels together: the norm after RoPE never does, RoPE only within a "
+                "pair (i, i + D/2)", _choosing("after_rope", "largest_times_largest")),
+        Mistake("the largest gain of q and the largest gain of k meet only if something brings "
+                "their channels together: the norm after RoPE never does, RoPE only within a "
+                "pair (i, i + D/2)", _choosing("before_rope", "largest_times_largest")),
+        Mistake("the gains multiply the scores: sqrt(D) is the bound for unit gains only",
+                _choosing("after_rope", "unit_gains")),
+        Mistake("the gains multiply the scores: sqrt(D) is the bound for unit gains only",
+                _choosing("before_rope", "unit_gains")),
+        Mistake("you forgot the 1/sqrt(D) of the scores: the dot product of the normalised "
+                "vectors is divided by sqrt(D)", _choosing("after_rope", "no_scale")),
+        Mistake("the two orders agree only where each rotated pair has equal gains (the "
+                "chapter's fact 2): compare your (a) and (b)",
+                _choosing("sharper", answer=lambda right: "same" if right["sharper"] != "same"
+                          else "before")),
+        Mistake("the norm before RoPE can only allow more: its bound takes the larger gain of "
+                "each pair, which is at least the gain of either channel",
+                _choosing("sharper", answer=lambda right: "after")),
     ),
 ))

@@ -7,7 +7,8 @@ draws a case inside each of them on every seed, the sizes drawn at random inside
 import torch
 
 from course_attn.grading.cases import randint, randn
-from course_attn.grading.ch06 import LIMITS
+from course_attn.grading.ch06 import LIMITS, ROPE_ORDER, qk_rope_predictions_reference, \
+    rope_order_candidates
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -196,3 +197,124 @@ def _(gen):
         d, t, weight = randint(*dims, gen), randint(*keys, gen), _hundredths(*weights, gen)
         q_gain, k_gain = _gains(d, gen)
         yield from LIMITS.cases(dict(D=d, T=t, q_gain=q_gain, k_gain=k_gain, weight=weight))
+
+
+# --- gemma_rms_norm: x (..., D), weight (D,), eps ----------------------------------------------
+# The weight multiplied as it is, added, or applied before the norm: wrong whenever the weight
+# is not all 0 and not uniform (every case: drawn at random); eps left out or outside the root:
+# wrong only where eps is not small beside mean(x²) (the third case).
+
+@hidden("ch06.gemma_rms_norm", regimes={
+    "a stored weight near 0 (|w| < 0.3)": lambda case: case.args[1].abs().max().item() < 0.3,
+    "a weight of size about 1": lambda case: case.args[1].abs().max().item() > 0.5,
+    "eps given, larger than mean(x²)": lambda case: "eps" in case.kwargs
+        and case.kwargs["eps"] > case.args[0].pow(2).mean().item(),
+    "float32": _dtype(torch.float32),
+    "float64": _dtype(torch.float64),
+})
+def _(gen):
+    b, t, d = randint(1, 3, gen), randint(2, 6, gen), randint(2, 16, gen)
+    x = randn(b, t, d, seed=gen, scale=1.0 + 3.0 * torch.rand((), generator=gen).item())
+    yield Case(f"x ({b}, {t}, {d}), a weight near 0", (x, _uniform(d, low=-0.25, high=0.25,
+                                                                    gen=gen)))
+    b, h, t, d = randint(1, 2, gen), randint(1, 3, gen), randint(2, 5, gen), randint(2, 16, gen)
+    w = _uniform(d, low=-1.5, high=1.5, gen=gen, dtype=torch.float64)
+    w[randint(0, d - 1, gen)] = 0.6 + torch.rand((), generator=gen, dtype=torch.float64)
+    yield Case(f"x ({b}, {h}, {t}, {d}) float64, a weight of size about 1",
+               (randn(b, h, t, d, seed=gen, dtype=torch.float64, scale=2.0), w))
+    t, d, eps = randint(2, 6, gen), randint(2, 16, gen), randint(2, 10, gen) / 100
+    yield Case(f"small x ({t}, {d}) with eps={eps:g}",
+               (_uniform(t, d, low=-0.1, high=0.1, gen=gen), _uniform(d, low=-0.25, high=0.25,
+                                                                      gen=gen)), {"eps": eps})
+
+
+# --- qk_norm_heads: q, k (B, T, H, D), v (B, T, H, Dv), gains (D,) -----------------------------
+# The scale lost, or taken twice, shows wherever T >= 2 and the scores are not all equal: every
+# case but the one with a single position. Each case draws its sizes inside its regime.
+
+def _heads_sizes(case):
+    q, v = case.args[0], case.args[2]
+    return q.shape[1], q.shape[3], v.shape[3]
+
+
+@hidden("ch06.qk_norm_heads", regimes={
+    "T > 1, float32": lambda case: _heads_sizes(case)[0] > 1 and _dtype(torch.float32)(case),
+    "float64": _dtype(torch.float64),
+    "Dv != D": lambda case: _heads_sizes(case)[1] != _heads_sizes(case)[2],
+    "one position (T = 1)": lambda case: _heads_sizes(case)[0] == 1,
+})
+def _(gen):
+    def heads(b, t, h, d, dv, dtype):
+        q, k = (randn(b, t, h, d, seed=gen, dtype=dtype, scale=3.0) for _ in range(2))
+        v = randn(b, t, h, dv, seed=gen, dtype=dtype)
+        return (q, k, v, 1.0 + randn(d, seed=gen, dtype=dtype), 1.0 + randn(d, seed=gen,
+                                                                              dtype=dtype))
+
+    b, t, h, d = randint(1, 2, gen), randint(3, 8, gen), randint(1, 4, gen), randint(4, 16, gen)
+    yield Case(f"B={b}, T={t}, H={h}, D={d}", heads(b, t, h, d, d, torch.float32))
+    t, h, d, dv = randint(2, 8, gen), randint(1, 3, gen), randint(2, 12, gen), randint(1, 5, gen)
+    dv += dv >= d                                                  # never D
+    yield Case(f"float64, T={t}, H={h}, D={d}, Dv={dv}", heads(1, t, h, d, dv, torch.float64))
+    h, d = randint(1, 4, gen), randint(2, 8, gen)
+    yield Case(f"one position, H={h}, D={d}", heads(randint(1, 2, gen), 1, h, d, d, torch.float32))
+
+
+# --- qk_rope_predictions: D, q_gain, k_gain, candidates -----------------------------------------
+# Two regimes, one gain pattern each on every seed, the candidates under letters in an order
+# drawn at random:
+#   1. the order matters: in one pair (i, i + D/2), q's larger gain on one channel and k's on
+#      the other (1.40..1.90 each, the crossing gains 0.10..0.40); the largest gain of q and the
+#      largest of k (2.00..2.50) in two other pairs, whose other gains are 0.10..0.40; every
+#      other gain 0.10..0.90. So after < before < largest · largest.
+#   2. the orders agree: gains equal within each pair, 0.10..2.50, the largest of q and of k in
+#      two different pairs, so after = before < largest · largest.
+# Signs at random. D 6..32 in the first (three planted pairs), 4..32 in the second. A draw
+# whose five bounds are not 0.1% apart is drawn again.
+
+def _signed(low, high, gen):
+    return (1 if randint(0, 1, gen) else -1) * randint(low, high, gen) / 100
+
+
+def _order_matters(gen):
+    half = randint(3, 16, gen)
+    q, k = [[_signed(10, 90, gen) for _ in range(2 * half)] for _ in range(2)]
+    crossing, top_q, top_k = torch.randperm(half, generator=gen)[:3].tolist()
+    a, b = (crossing, crossing + half) if randint(0, 1, gen) else (crossing + half, crossing)
+    q[a], k[b] = _signed(140, 190, gen), _signed(140, 190, gen)
+    q[b], k[a] = _signed(10, 40, gen), _signed(10, 40, gen)
+    for pair, big, small in ((top_q, q, k), (top_k, k, q)):
+        for channel in (pair, pair + half):
+            small[channel] = _signed(10, 40, gen)
+        big[pair + half * randint(0, 1, gen)] = _signed(200, 250, gen)
+    return q, k
+
+
+def _orders_agree(gen):
+    half = randint(2, 16, gen)
+    q, k = [[_signed(10, 150, gen) for _ in range(half)] for _ in range(2)]
+    top_q, top_k = torch.randperm(half, generator=gen)[:2].tolist()
+    q[top_q], k[top_k] = _signed(200, 250, gen), _signed(200, 250, gen)
+    k[top_q], q[top_k] = _signed(10, 90, gen), _signed(10, 90, gen)
+    return q + q, k + k
+
+
+def _rope_case(draw, gen):
+    while True:
+        q, k = draw(gen)
+        d = len(q)
+        letters = "".join("ABCDE"[i] for i in torch.randperm(5, generator=gen).tolist())
+        candidates = rope_order_candidates(d, q, k, letters)
+        if len(candidates) == (5 if draw is _order_matters else 4):
+            return dict(D=d, q_gain=q, k_gain=k, candidates=candidates)
+
+
+def _sharper(case):
+    return qk_rope_predictions_reference(**case.kwargs)["sharper"]
+
+
+@hidden("ch06.qk_rope_predictions", regimes={
+    "the order matters (a pair's gains cross)": lambda case: _sharper(case) == "before",
+    "the orders agree (gains equal within each pair)": lambda case: _sharper(case) == "same",
+})
+def _(gen):
+    yield from ROPE_ORDER.cases(_rope_case(_order_matters, gen), _rope_case(_orders_agree, gen))
