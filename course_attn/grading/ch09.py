@@ -16,19 +16,36 @@
                           and the memory traffic of the standard and the tiled forward (heads
                           of D, query blocks of block rows) (derive, on sizes drawn at grading)
 
-References: ``course_attn.softmax``; ``course_attn.flash.merge_attention_states``; the update
-written out below; ``course_attn.masks`` reduced over blocks; the counts from the formulas of the
-chapter.
+    ch09.chunked_attention  chunked_attention(q, k, v, bias, chunk) -> (Tq, Dv): the given
+                          forward over key chunks, whose running max starts at 0, repaired
+                          (debug: a padded query's row gives NaN)
+    ch09.memory_exponent  memory_exponent(name, lengths, dim) -> float: the peak memory of a
+                          given naive or tiled attention at three lengths, and the exponent of
+                          the power law that fits it (measure)
+    ch09.triton_forward   triton_forward(q, k, v) -> (Tq, D): the flash forward as a Triton
+                          kernel, one program per block of 16 queries (on the CPU through
+                          Triton's interpreter)
+
+The first three are warm-ups (the chapter writes them out). References:
+``course_attn.softmax``; ``course_attn.flash.merge_attention_states``; the update written out
+below; ``course_attn.masks`` reduced over blocks; the counts from the formulas of the chapter;
+the softmax in float64 (chunked_attention, triton_forward); the same measurement, made by the
+grader (memory_exponent).
 """
+
+import functools
+import math
 
 import torch
 
 from ..attention import softmax
 from ..flash import merge_attention_states
 from ..masks import causal_mask, sliding_window_mask
-from .cases import count_questions, expect_tensor, expect_tensors, randn, random_mask
+from .cases import (as_number, count_questions, expect_close_tensor, expect_tensor, expect_tensors,
+                    randn, random_mask)
 from .exercise import Case, Exercise, Mistake, register
-from .operations import ELEMENTARY, NONE, NO_LIBRARY_MASKS, NO_LIBRARY_SOFTMAX
+from .operations import (ELEMENTARY, NO_LIBRARY_ATTENTION, NO_LIBRARY_MASKS, NO_LIBRARY_SOFTMAX,
+                         NONE, SOFTMAX)
 
 INF = float("-inf")
 
@@ -109,6 +126,7 @@ def _online_wrong(*, rescale=True, use_max=True, guard_start=True, guard_dead=Tr
 
 register(Exercise(
     key="ch09.online_softmax", function="online_softmax", reference=online_softmax_reference,
+    task="warm-up",
     ops=ELEMENTARY,
     cases=_online_cases, compare=expect_tensor, banned=NO_SOFTMAX_OR_LSE,
     mistakes=(
@@ -222,6 +240,7 @@ def _merge_wrong(*, lse_rule="log", weights="share", guard=True):
 
 register(Exercise(
     key="ch09.merge_states", function="merge_states", reference=merge_states_reference,
+    task="warm-up",
     ops=ELEMENTARY,
     cases=_merge_cases, compare=expect_tensors(("out", "lse")), banned=NO_SOFTMAX_OR_LSE + (
         "torch.logaddexp", "torch.Tensor.logaddexp"),
@@ -325,6 +344,7 @@ def _tile_wrong(*, rescale_acc=True, rescale_l=True, normalise=False, guard=True
 
 register(Exercise(
     key="ch09.tile_update", function="tile_update", reference=tile_update_reference,
+    task="warm-up",
     ops=ELEMENTARY,
     cases=_tile_cases, compare=expect_tensors(("m", "l", "acc")), banned=NO_SOFTMAX_OR_LSE,
     mistakes=(
@@ -428,6 +448,7 @@ def _mask_wrong(*, count=_blocks, align=True, causal_rule="ok", by_index=False, 
 
 register(Exercise(
     key="ch09.tile_mask", function="tile_mask", reference=tile_mask_reference,
+    task="implement",
     ops=ELEMENTARY,
     cases=_mask_cases, compare=expect_tensor, banned=NO_LIBRARY_MASKS,
     mistakes=(
@@ -567,5 +588,340 @@ register(Exercise(
                 _with("tiled_elements", lse=False)),
         *(Mistake(FLOOR, lambda T, block, W, D, form=form: _counts(T, block, W, D, floor=form))
           for form in ("formula", "per_block")),
+    ),
+))
+
+
+# --- ch09.triton_forward: the flash forward as a Triton kernel -----------------------------------
+
+# The launcher may allocate, copy and rearrange tensors (and Triton's interpreter copies them to
+# the host and back with copy_ and set_), but no arithmetic: every score, exponential and product
+# is computed in the kernel. Under the interpreter the kernel's arithmetic runs in NumPy, which no
+# torch mode sees; on a GPU it runs in the compiled kernel. A launcher that computes attention
+# with torch (q @ k.T, exp, softmax, SDPA) runs an operation outside this list and is refused.
+LAUNCH = frozenset(f"aten.{name}" for name in """empty empty_like empty_strided new_empty
+new_empty_strided zeros zeros_like fill_ zero_ copy_ _to_copy _copy_from _copy_from_and_resize
+clone set_ view _unsafe_view t transpose permute expand alias detach as_strided lift_fresh
+slice select unsqueeze squeeze""".split())
+# Reading a tensor's numbers into Python or NumPy (to do the arithmetic there) is refused by name:
+# Triton's interpreter reaches the data through data_ptr, never through these.
+NO_HOST_COPIES = ("torch.Tensor.numpy", "torch.from_numpy", "torch.Tensor.tolist",
+                  "torch.Tensor.item", "torch.Tensor.__array__")
+TRITON_BLOCK = 16
+# A kernel's float32 tl.dot may use TF32 on a GPU (10 bits of mantissa): scores of unit size
+# and outputs below 4 in size are then off by about 1e-3 at most; the typical mistakes below are
+# off by 0.05 or more on the cases that catch them.
+TRITON_TOLERANCE = 5e-3
+
+
+def triton_forward_reference(q, k, v):
+    """q (Tq, D), k (Tk, D), v (Tk, D) float32 -> softmax(q k^T / sqrt(D)) v, (Tq, D) float32,
+    computed in float64."""
+    s = (q.double() @ k.double().T) / math.sqrt(q.shape[-1])
+    return (softmax(s, dim=-1) @ v.double()).float()
+
+
+def _triton_wrong(*, scale=True, pad=False, rescale_acc=True, rescale_l=True, m_zero=False):
+    """The forward with one mistake, tile by tile as a kernel computes it (float32, tiles of 16
+    keys): ``scale=False`` forgets 1/sqrt(D); ``pad`` counts the padding keys of the last tile
+    (loaded as zeros, score 0) in l; no rescale of acc or l when the max grows; ``m_zero`` starts
+    the running max at 0, not -inf (a row whose scores are all far below 0 gives 0 / 0)."""
+    def forward(q, k, v):
+        tq, d = q.shape
+        tk = k.shape[0]
+        m = torch.zeros(tq) if m_zero else torch.full((tq,), INF)
+        l, acc = torch.zeros(tq), torch.zeros(tq, v.shape[1])
+        for k0 in range(0, tk, TRITON_BLOCK):
+            kt, vt = k[k0:k0 + TRITON_BLOCK], v[k0:k0 + TRITON_BLOCK]
+            missing = TRITON_BLOCK - kt.shape[0]
+            s = q @ kt.T * (1 / math.sqrt(d) if scale else 1.0)
+            if pad and missing:
+                s = torch.cat([s, torch.zeros(tq, missing)], dim=1)
+                vt = torch.cat([vt, torch.zeros(missing, v.shape[1])])
+            m_new = torch.maximum(m, s.amax(-1))
+            alpha = torch.exp(m - m_new)
+            p = torch.exp(s - m_new[:, None])
+            l = (l * alpha if rescale_l else l) + p.sum(-1)
+            acc = (acc * alpha[:, None] if rescale_acc else acc) + p @ vt
+            m = m_new
+        return acc / l[:, None]
+    return forward
+
+
+def random_qkv(tq, tk, d, seed, *, scale=1.0):
+    g = torch.Generator().manual_seed(seed) if isinstance(seed, int) else seed
+    return (randn(tq, d, seed=g, scale=scale), randn(tk, d, seed=g, scale=scale),
+            randn(tk, d, seed=g))
+
+
+def rising_keys(tq, tk, d, seed):
+    """q, k, v whose keys' scores grow from tile to tile for every query (k is q's mean times a
+    growing factor, plus noise): the running max changes at every tile."""
+    q, k, v = random_qkv(tq, tk, d, seed, scale=0.3)
+    q = q + 1.0
+    k = k + torch.linspace(-2.0, 2.0, tk)[:, None]
+    return q, k, v
+
+
+def far_below(tq, tk, d, seed):
+    """q, k, v where query 0's scores are all below -100 (for D >= 16): with a running max
+    started at 0, every exp(s - 0) underflows to 0 in float32."""
+    q, k, v = random_qkv(tq, tk, d, seed)
+    q[0] = 4.0
+    k = k.abs() * -6.0 - 6.0    # query 0's scores: 4 (-6 |k| - 6) summed over D, / sqrt(D)
+    return q, k, v
+
+
+def _triton_cases():
+    yield Case("Tq = Tk = 16, D = 16: one tile", random_qkv(16, 16, 16, 930),
+               hint="one query block, one key tile: the softmax of one tile, times V")
+    yield Case("Tq = 16, Tk = 64, D = 16: scores that grow from tile to tile",
+               rising_keys(16, 64, 16, 931),
+               hint="each tile's larger max shrinks what l and acc hold from earlier tiles")
+    yield Case("Tq = 20, Tk = 40, D = 32: partial last blocks of queries and of keys",
+               random_qkv(20, 40, 32, 932),
+               hint="the last tile holds 8 keys and 8 padding positions, which must weigh nothing")
+    yield Case("Tq = 16, Tk = 32, D = 16: a query whose scores are all below -100",
+               far_below(16, 32, 16, 933),
+               hint="exp of a score 100 below the running max underflows to 0 in float32")
+    yield Case("Tq = 33, Tk = 17, D = 16: three query blocks, one key past a tile",
+               random_qkv(33, 17, 16, 934), hint="a key tile of one real key and 15 padding positions")
+
+
+def _compare_triton(actual, expected, case=None):
+    expect_tensor(actual, expected, case, rtol=TRITON_TOLERANCE, atol=TRITON_TOLERANCE)
+
+
+register(Exercise(
+    key="ch09.triton_forward", function="triton_forward", reference=triton_forward_reference,
+    task="implement",
+    ops=LAUNCH, cases=_triton_cases, compare=_compare_triton,
+    banned=NO_LIBRARY_ATTENTION + NO_LIBRARY_SOFTMAX + NO_HOST_COPIES,
+    mistakes=(
+        Mistake("you did not rescale the accumulator when the running max grew: acc holds values "
+                "weighted against an older, smaller max", _triton_wrong(rescale_acc=False)),
+        Mistake("you did not rescale the running sum l when the running max grew: its terms are "
+                "exponentials against an older max", _triton_wrong(rescale_l=False)),
+        Mistake("the padding positions of a partial last key tile count in the sum: they load "
+                "as zeros, whose score 0 is not masked out", _triton_wrong(pad=True)),
+        Mistake("you forgot to scale the scores by 1/sqrt(D)", _triton_wrong(scale=False)),
+        Mistake("a row whose scores are all far below 0 gives NaN: your running max starts at 0, "
+                "above every score of that row, so every exponential underflows",
+                _triton_wrong(m_zero=True)),
+    ),
+))
+
+
+# --- ch09.chunked_attention: debug a forward whose running max starts at 0 -----------------------
+
+def chunked_attention_given(q, k, v, bias, chunk):
+    """softmax(q k^T / sqrt(D) + bias) v, taking the keys ``chunk`` at a time.
+    q: (Tq, D), k: (Tk, D), v: (Tk, Dv), bias: (Tq, Tk) added to the scores."""
+    scale = q.shape[-1] ** -0.5
+    top = torch.zeros(q.shape[0])                    # the largest score met so far, per query
+    mass = torch.zeros(q.shape[0])                   # sum of exp(score - top)
+    numer = torch.zeros(q.shape[0], v.shape[-1])     # sum of exp(score - top) * value
+    for start in range(0, k.shape[0], chunk):
+        stop = start + chunk
+        s = (q @ k[start:stop].T) * scale + bias[:, start:stop]
+        new_top = torch.maximum(top, s.max(dim=-1).values)
+        shrink = torch.exp(top - new_top)            # what the old terms are worth now
+        w = torch.exp(s - new_top[:, None])
+        mass = mass * shrink + w.sum(dim=-1)
+        numer = numer * shrink[:, None] + w @ v[start:stop]
+        top = new_top
+    return numer / mass[:, None]
+
+
+def chunked_attention_reference(q, k, v, bias, chunk):
+    s = (q.double() @ k.double().T) / math.sqrt(q.shape[-1]) + bias.double()
+    return (softmax(s, dim=-1) @ v.double()).float()
+
+
+PAD = torch.finfo(torch.float32).min   # an additive mask's "no key here", as many models write it
+
+
+def padded_inputs(tq, tk, d, dv, seed, *, padded=(), causal=False, alibi=0.0):
+    """q, k, v and a bias: ``padded`` queries have every key masked with PAD (a padding token's
+    row: all its scores equal, so its weights are uniform); ``causal`` masks the keys after each
+    query with PAD; ``alibi`` adds -alibi times the distance."""
+    g = torch.Generator().manual_seed(seed) if isinstance(seed, int) else seed
+    q, k, v = randn(tq, d, seed=g), randn(tk, d, seed=g), randn(tk, dv, seed=g)
+    rows, cols = torch.arange(tq)[:, None] + (tk - tq), torch.arange(tk)[None, :]
+    bias = -alibi * (rows - cols).abs().float()
+    if causal:
+        bias = bias.masked_fill(cols > rows, PAD)
+    bias[list(padded)] = PAD
+    return q, k, v, bias
+
+
+def _chunked_cases():
+    yield Case("no bias, Tk = 12 in chunks of 4", (*padded_inputs(5, 12, 8, 4, 940), 4),
+               hint="the output is the softmax of the scores, times the values")
+    yield Case("a causal mask (PAD above the diagonal), 9 x 9 in chunks of 3",
+               (*padded_inputs(9, 9, 8, 8, 941, causal=True), 3),
+               hint="a masked key weighs nothing")
+    yield Case("chunks of 5 that do not divide Tk = 13, with a linear bias",
+               (*padded_inputs(4, 13, 8, 6, 942, alibi=0.5), 5),
+               hint="the last chunk is shorter")
+    yield Case("a padded query: every key of row 2 masked with PAD, as a padding token's row",
+               (*padded_inputs(6, 10, 8, 4, 943, padded=(2,)), 4),
+               hint="a row whose scores are all equal has equal weights, however low they are")
+    yield Case("a causal mask and two padded queries, chunks of 2",
+               (*padded_inputs(8, 8, 8, 8, 944, padded=(0, 5), causal=True), 2),
+               hint="a row whose scores are all equal has equal weights, however low they are")
+
+
+def _chunked_zeroed(q, k, v, bias, chunk):
+    """The given function with its NaN rows set to 0 afterwards (a half repair)."""
+    return torch.nan_to_num(chunked_attention_given(q, k, v, bias, chunk), nan=0.0)
+
+
+register(Exercise(
+    key="ch09.chunked_attention", function="chunked_attention", task="debug",
+    reference=chunked_attention_reference, ops=ELEMENTARY,
+    cases=_chunked_cases, compare=expect_close_tensor(1e-5, 1e-5),
+    banned=NO_SOFTMAX_OR_LSE + NO_LIBRARY_ATTENTION[1:],
+    mistakes=(
+        Mistake("a row whose scores all lie far below 0 (a padded query) gives NaN: the running "
+                "max starts above every one of its scores, so every exponential underflows to 0 "
+                "and the row divides 0 by 0", chunked_attention_given),
+        Mistake("your padded rows give zeros: their scores are all equal (all PAD), and a softmax "
+                "of equal scores is uniform, however low they are; the NaN came from somewhere "
+                "to repair, not to hide", _chunked_zeroed),
+    ),
+))
+
+
+# --- ch09.memory_exponent: measure how peak memory grows with the length -------------------------
+
+def naive_attention(q, k, v):
+    """softmax(q k^T / sqrt(D)) v, with the whole (Tq, Tk) table of scores at once."""
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return torch.softmax(s, dim=-1) @ v
+
+
+def tiled_attention(q, k, v, block=64):
+    """The same, over key tiles of ``block``: a running max, sum and output per query."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    m = torch.full(q.shape[:-1], -math.inf)
+    l = torch.zeros(q.shape[:-1])
+    acc = torch.zeros(*q.shape[:-1], v.shape[-1])
+    for k0 in range(0, k.shape[-2], block):
+        s = q @ k[..., k0:k0 + block, :].transpose(-2, -1) * scale
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new[..., None])
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + p @ v[..., k0:k0 + block, :]
+        m = m_new
+    return acc / l[..., None]
+
+
+ATTENTIONS = {"naive": naive_attention, "tiled": tiled_attention}
+
+
+def _allocations(fn, t, dim):
+    """The bytes of every allocation (positive) and free (negative) that ``fn(q, k, v)`` makes,
+    in time order, for q, k, v of shape (t, dim) made before the profiler starts, as
+    course_attn.bench reads them (the raw event list keeps the allocations inside operators)."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(t, dim, generator=g) for _ in range(3))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(q, k, v)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    return [e.nbytes() for e in sorted(events, key=lambda e: e.start_ns())]
+
+
+def _peak(sizes):
+    held = peak = 0
+    for size in sizes:
+        held += size
+        peak = max(peak, held)
+    return peak
+
+
+def _slope(xs, ys):
+    """The least-squares slope of ys against xs."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def _exponent(name, lengths, dim, *, inputs=False, total=False, log_t=math.log,
+              log_peak=math.log):
+    """The fitted exponent of peak bytes against T; or a variant: ``inputs`` counts q, k, v
+    (3 T dim floats) as held, ``total`` sums every allocation instead of the peak, ``log_t``
+    and ``log_peak`` are what the fit takes of T and of the bytes."""
+    peaks = []
+    for t in lengths:
+        sizes = _allocations(ATTENTIONS[name], t, dim)
+        measured = sum(s for s in sizes if s > 0) if total else _peak(sizes)
+        peaks.append(measured + (3 * t * dim * 4 if inputs else 0))
+    return _slope([log_t(t) for t in lengths], [log_peak(p) for p in peaks])
+
+
+def memory_exponent_reference(name, lengths, dim):
+    return _exponent(name, lengths, dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _exponent_tolerance(name, lengths, dim):
+    """How far a right measurement may lie from the reference's: the peak is exact, the same
+    bytes on every run (the allocator's requests do not depend on timing), but a student may
+    count the inputs q, k, v as held or not, or create them inside the profiled region; both are
+    right, and they move the fit by the gap between the two exponents, which the grader
+    computes for these lengths. 0.05 more for what else a right answer may hold (a copy of the
+    inputs made outside the function, a dtype conversion), far below the gaps between the
+    naive (about 2), the tiled (about 1) exponent and the typical mistakes below."""
+    gap = abs(_exponent(name, lengths, dim, inputs=True) - _exponent(name, lengths, dim))
+    return gap + 0.05
+
+
+def _compare_exponent(actual, expected, case=None):
+    got = as_number(actual)
+    if got is None:
+        raise AssertionError(f"your answer should be a number, got {type(actual).__name__}")
+    tolerance = 0.05 if case is None else _exponent_tolerance(
+        case.args[0], tuple(case.args[1]), case.args[2])
+    if not abs(got - expected) <= tolerance:
+        raise AssertionError(f"your exponent is {'too large' if got > expected else 'too small'}")
+
+
+def exponent_case(name, lengths, dim, hint=""):
+    return Case(f"{name}, lengths {lengths}, dim {dim}", (name, list(lengths), dim), hint=hint)
+
+
+def _exponent_cases():
+    yield exponent_case("naive", (128, 256, 512), 16,
+                        hint="the (T, T) table of scores is the largest thing it holds")
+    yield exponent_case("tiled", (128, 256, 512), 16,
+                        hint="a tile of scores is (T, block): it grows with T once")
+    yield exponent_case("tiled", (100, 300, 700), 32,
+                        hint="lengths that do not double: fit all three points at once")
+
+
+def _with_rule(**rule):
+    return lambda name, lengths, dim: _exponent(name, lengths, dim, **rule)
+
+
+register(Exercise(
+    key="ch09.memory_exponent", function="memory_exponent", task="measure",
+    reference=memory_exponent_reference, ops=ELEMENTARY | SOFTMAX,
+    cases=_exponent_cases, compare=_compare_exponent,
+    banned=("course_attn",),
+    mistakes=(
+        Mistake("you added up every allocation the call makes, freed or not: the tiled forward "
+                "allocates a tile of scores per key block, but frees each before the next; the "
+                "peak is what it holds at once", _with_rule(total=True)),
+        Mistake("you fitted the log of the bytes against T itself: a power law is a straight "
+                "line in log T", _with_rule(log_t=float)),
+        Mistake("you fitted against T itself and the bytes themselves: a power law is a "
+                "straight line only on a log-log scale", _with_rule(log_t=float, log_peak=float)),
+        Mistake("your two logarithms have different bases", _with_rule(log_t=math.log2)),
+        Mistake("your two logarithms have different bases", _with_rule(log_peak=math.log2)),
     ),
 ))

@@ -1,10 +1,14 @@
 """Hidden cases of chapter 9: drawn by the grader with a fresh seed for every notebook it grades.
 Private to instructors: never published with the course (see book/instructors.md)."""
 
+import math
+
 import torch
 
 from course_attn.grading.cases import randint, randn
-from course_attn.grading.ch09 import COUNTS, split_states, tile_case
+from course_attn.grading.ch09 import (COUNTS, PAD, TRITON_BLOCK, exponent_case, far_below,
+                                      padded_inputs, random_qkv, rising_keys,
+                                      split_states, tile_case)
 from course_attn.grading.exercise import Case, hidden
 
 INF = float("-inf")
@@ -262,3 +266,92 @@ def _(gen):
     t = block * randint(2, 16, gen) + randint(1, block - 1, gen)
     sizes.append(dict(T=t, block=block, W=t + randint(0, t, gen), D=head()))
     yield from COUNTS.cases(*sizes)
+
+
+# ch09.triton_forward: keys whose scores grow from tile to tile over several query blocks (not
+# rescaling acc or l is wrong there), a partial last key tile (counting its padding is wrong
+# there), a query whose scores all lie below -100 (a running max started at 0 is wrong there);
+# D = 16 and D = 32 on every seed. Forgetting 1/sqrt(D) is wrong everywhere.
+def _triton_scores(case):
+    q, k, _ = case.args
+    return q.double() @ k.double().T / math.sqrt(q.shape[1])
+
+
+def _max_grows(case):
+    """Some row's max over a key tile exceeds its max over every earlier tile."""
+    s = _triton_scores(case)
+    tops = torch.stack([t.amax(-1) for t in s.split(TRITON_BLOCK, dim=1)], dim=-1)
+    return bool((tops[:, 1:] > tops.cummax(-1).values[:, :-1]).any())
+
+
+@hidden("ch09.triton_forward", regimes={
+    "the max grows from a key tile to a later one": _max_grows,
+    "a partial last key tile (Tk not a multiple of 16)":
+        lambda case: case.args[1].shape[0] % TRITON_BLOCK != 0,
+    "Tk a multiple of 16, several key tiles": lambda case: case.args[1].shape[0] % TRITON_BLOCK
+        == 0 and case.args[1].shape[0] > TRITON_BLOCK,
+    "several query blocks (Tq > 16)": lambda case: case.args[0].shape[0] > TRITON_BLOCK,
+    "a query whose scores all lie below -100":
+        lambda case: bool((_triton_scores(case).amax(-1) < -100).any()),
+    "D = 16": lambda case: case.args[0].shape[1] == 16,
+    "D = 32": lambda case: case.args[0].shape[1] == 32,
+})
+def _(gen):
+    tq, tk = randint(17, 40, gen), TRITON_BLOCK * randint(2, 4, gen)
+    yield Case(f"Tq = {tq}, Tk = {tk}, D = 16, scores growing from tile to tile",
+               rising_keys(tq, tk, 16, gen))
+    tq, tk = randint(1, 16, gen), TRITON_BLOCK * randint(1, 3, gen) + randint(1, 15, gen)
+    yield Case(f"Tq = {tq}, Tk = {tk}, D = 32", random_qkv(tq, tk, 32, gen))
+    tq, tk, d = randint(2, 20, gen), randint(17, 48, gen), 16 * randint(1, 2, gen)
+    yield Case(f"Tq = {tq}, Tk = {tk}, D = {d}, a query whose scores lie below -100",
+               far_below(tq, tk, d, gen))
+
+
+# ch09.chunked_attention (debug): a padded query (every key at PAD) beside ordinary rows (the
+# given function, whose running max starts at 0, gives NaN there; zeros are wrong there too),
+# chunks that do not divide Tk, a causal mask; and inputs with no padded query, where the given
+# function is right (a repair must keep them right).
+def _padded_row(case):
+    return bool((case.args[3] == PAD).all(-1).any())
+
+
+@hidden("ch09.chunked_attention", regimes={
+    "a padded query (every key at PAD)": _padded_row,
+    "no padded query": lambda case: not _padded_row(case),
+    "a chunk that does not divide Tk": lambda case: case.args[1].shape[0] % case.args[4] != 0,
+    "a causal mask": lambda case: bool((case.args[3][0] == PAD).any()) and
+        not bool((case.args[3][-1] == PAD).any()),
+})
+def _(gen):
+    tq, tk, d, dv = randint(3, 8, gen), randint(6, 16, gen), randint(2, 8, gen), randint(1, 6, gen)
+    chunk = randint(2, 5, gen)
+    while tk % chunk == 0:
+        chunk += 1
+    padded = sorted({randint(0, tq - 1, gen) for _ in range(randint(1, 2, gen))})
+    yield Case(f"Tq={tq}, Tk={tk}, chunks of {chunk}, padded queries {padded}",
+               (*padded_inputs(tq, tk, d, dv, gen, padded=padded,
+                               alibi=0.25 * randint(0, 4, gen)), chunk))
+    t = randint(4, 10, gen)
+    yield Case(f"causal, {t} x {t}, chunks of {randint(2, 4, gen)}",
+               (*padded_inputs(t, t, d, dv, gen, causal=True), randint(2, 4, gen)))
+
+
+# ch09.memory_exponent (measure): the naive and the tiled attention on every seed, three lengths
+# drawn in [64, 768], doubling or not, heads of 16 to 64. Summing every allocation is wrong on
+# the tiled one; the fits against T, or with two log bases, are wrong on both.
+@hidden("ch09.memory_exponent", regimes={
+    "naive": lambda case: case.args[0] == "naive",
+    "tiled": lambda case: case.args[0] == "tiled",
+    "lengths that double": lambda case: case.args[1][1] == 2 * case.args[1][0] and
+        case.args[1][2] == 2 * case.args[1][1],
+    "lengths that do not double": lambda case: not (case.args[1][1] == 2 * case.args[1][0]
+                                                    and case.args[1][2] == 2 * case.args[1][1]),
+})
+def _(gen):
+    t = 64 * randint(1, 3, gen)
+    yield exponent_case("naive", (t, 2 * t, 4 * t), 16 * randint(1, 4, gen))
+    first = randint(64, 200, gen)
+    lengths = (first, first + randint(100, 250, gen), first + randint(400, 560, gen))
+    yield exponent_case("tiled", lengths, 16 * randint(1, 4, gen))
+    yield exponent_case(("naive", "tiled")[randint(0, 1, gen)], (t, 2 * t, 4 * t),
+                        16 * randint(1, 4, gen))
