@@ -381,3 +381,180 @@ def test_linear_costs_may_not_call_the_package():
         course_attn.causal_mask(2)
         return linear_costs(**size)
     assert_banned(COSTS, with_the_package, "course_attn")
+
+
+# --- linear_costs, judged part by part -------------------------------------------------------------
+
+def test_linear_costs_with_three_parts_right_is_judged_part_by_part():
+    """Two wrong parts, each by its own mistake: the three right parts pass, and each wrong part
+    is told its own mistake's hint (mistakes are matched on the part a case judges)."""
+    def two_wrong(**size):
+        right = linear_costs(**size)
+        return {**right, "kv_cache_bytes": right["kv_cache_bytes"] // 2,         # keys only
+                "state_bytes": right["state_bytes"] // size["nbytes"]}           # numbers
+    found = results(COSTS, two_wrong)
+    cases = [case for case in get(COSTS).public_cases()]
+    for case in cases:
+        result = found[case.name]
+        if case.part in ("kv_cache_bytes", "state_bytes"):
+            assert not result.passed, case.name
+            wanted = "keys only" if case.part == "kv_cache_bytes" else "numbers, not bytes"
+            assert wanted in result.hint, (case.name, result.hint)
+        else:
+            assert result.passed, case.name
+
+
+# --- causal_linear_attention (debug) ---------------------------------------------------------------
+
+CLA = "ch10.causal_linear_attention"
+
+
+def causal_linear_attention(fq, fk, v, *, z_axis=-2, z_rule="inclusive", s_rule="inclusive"):
+    """The repaired function of the notebook; the keywords make it the given bug or a
+    half-repair."""
+    outer = fk.unsqueeze(-1) * v.unsqueeze(-2)
+    memory = outer.cumsum(dim=-3)
+    if s_rule == "exclusive":
+        memory = memory - outer
+    norm = fk.cumsum(dim=z_axis)
+    if z_rule == "exclusive":
+        norm = norm - fk
+    elif z_rule == "total":
+        norm = fk.sum(dim=-2, keepdim=True)
+    elif z_rule == "own":
+        norm = fk
+    num = (fq.unsqueeze(-2) @ memory).squeeze(-2)
+    if z_rule == "none":
+        return num
+    return num / (fq * norm).sum(dim=-1, keepdim=True)
+
+
+SHORT, ONES = "B=1, H=2, T=6, D'=Dv=4", \
+    "constant values (every value 1): every output must be 1; T=8, D'=5, Dv=3"
+
+
+def test_the_given_function_fails_with_the_bugs_hint():
+    from course_attn.grading.ch10 import given_causal_linear_attention
+    assert_fails(CLA, given_causal_linear_attention, ONES, hint="wrong axis")
+    assert_fails(CLA, given_causal_linear_attention, SHORT, hint="wrong axis")
+
+
+def test_the_given_function_is_the_notebooks():
+    import nbformat
+    root = Path(__file__).resolve().parents[1]
+    for folder in ("solutions", "exercises"):
+        nb = nbformat.read(root / folder / "10_linear_attention.ipynb", as_version=4)
+        given = [c for c in nb.cells
+                 if c.metadata.get("nbgrader", {}).get("grade_id") == f"ch10-{CLA[5:]}-given"]
+        assert len(given) == 1 and given[0].metadata["nbgrader"]["locked"]
+        namespace = {"torch": torch, "math": __import__("math")}
+        exec(given[0].source, namespace)
+        assert_fails(CLA, namespace["given_causal_linear_attention"], ONES, hint="wrong axis")
+
+
+def test_causal_linear_attention_half_repairs_are_named():
+    assert run_exercise(get(CLA), causal_linear_attention).passed
+    assert_fails(CLA, lambda *a: causal_linear_attention(*a, z_rule="exclusive"), SHORT,
+                 hint="leaves out the token itself")
+    assert_fails(CLA, lambda *a: causal_linear_attention(*a, z_rule="exclusive",
+                                                         s_rule="exclusive"),
+                 SHORT, hint="does not see its own key")
+    assert_fails(CLA, lambda *a: causal_linear_attention(*a, z_rule="total"), SHORT,
+                 hint="keys of the future")
+    assert_fails(CLA, lambda *a: causal_linear_attention(*a, z_rule="own"), SHORT,
+                 hint="own key only")
+    assert_fails(CLA, lambda *a: causal_linear_attention(*a, z_rule="none"), ONES,
+                 hint="left out the normaliser")
+
+
+def test_causal_linear_attention_equals_the_packages_causal_form():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 17, n, generator=g, dtype=torch.float64) for n in (5, 5, 4))
+    torch.testing.assert_close(get(CLA).reference(elu_features(q), elu_features(k), v),
+                               linear_attention(q, k, v, causal=True))
+
+
+def test_causal_linear_attention_may_not_call_the_package():
+    def with_the_package(fq, fk, v):
+        course_attn.causal_mask(2)
+        return causal_linear_attention(fq, fk, v)
+    assert_banned(CLA, with_the_package, "course_attn")
+
+
+# --- recall_accuracy (measure) ---------------------------------------------------------------------
+
+RECALL = "ch10.recall_accuracy"
+CROWDED, ROOMY, ELU_KEYS = ("unit keys, crowded: N=32 pairs in D'=8 features, seed 0",
+                            "unit keys, room to spare: N=8 pairs in D'=64 features, seed 1",
+                            "elu features: N=32 pairs in D'=64 features, seed 2")
+
+
+def recall_accuracy(n_pairs, features, kind, seed, *, normalise=True, feature_map=True,
+                    memories=256, loop=False):
+    """The notebook's solution; the keywords make it a typical mistake, or another honest
+    run (``memories``, a loop over them)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(memories, n_pairs, features, generator=g, dtype=torch.float64)
+    if kind == "unit":
+        keys = F.normalize(x, dim=-1) if normalise else x
+    else:
+        keys = F.elu(x) + 1 if feature_map else x
+    values = torch.randint(64, (memories, n_pairs), generator=g)
+    onehot = F.one_hot(values, 64).to(keys.dtype)
+    if loop:
+        hits = sum(int(((k @ (k.T @ o)).argmax(-1) == val).sum())
+                   for k, o, val in zip(keys, onehot, values))
+        return hits / (memories * n_pairs)
+    read = keys @ (keys.transpose(-2, -1) @ onehot)
+    return (read.argmax(-1) == values).double().mean().item()
+
+
+def test_recall_accuracy_solution_and_its_mistakes():
+    assert run_exercise(get(RECALL), recall_accuracy).passed
+    assert_fails(RECALL, lambda *a: recall_accuracy(*a, normalise=False), CROWDED,
+                 hint="not unit vectors", message="too small")
+    assert_fails(RECALL, lambda *a: recall_accuracy(*a, feature_map=False), ELU_KEYS,
+                 hint="normal vectors themselves", message="too large")
+    assert_fails(RECALL, lambda *a: 1 - recall_accuracy(*a), ROOMY, hint="NOT recalled")
+    assert_fails(RECALL, lambda *a: 100 * recall_accuracy(*a), CROWDED, hint="percentage")
+
+
+def test_recall_accuracy_accepts_another_honest_run_of_the_experiment():
+    """Other draws (another seed, and a loop over the memories instead of batched products) land
+    within the grader's tolerance, on public cases and hidden ones."""
+    def other_draws(n_pairs, features, kind, seed):
+        return recall_accuracy(n_pairs, features, kind, seed + 1_000_003, loop=True)
+    assert run_exercise(get(RECALL), other_draws).passed
+    for seed in range(5):
+        assert run_exercise(get(RECALL), other_draws, hidden_cases(RECALL, seed)).passed
+
+
+def test_recall_accuracy_reference_is_stable_and_shows_the_prediction():
+    """The measurement is the same on every call (seeded), fast, and says what the notebook asks
+    to predict: unit keys rise toward 1 as D' grows, elu features stay far below 1."""
+    import time
+    reference = get(RECALL).reference
+    start = time.perf_counter()
+    unit = [reference(32, d, "unit", 0) for d in (8, 32, 128, 256)]
+    elu = [reference(32, d, "elu", 0) for d in (8, 32, 128, 256)]
+    assert time.perf_counter() - start < 8           # 8 experiments, each well under a second
+    assert unit == [reference(32, d, "unit", 0) for d in (8, 32, 128, 256)]
+    assert unit == sorted(unit) and unit[0] < 0.9 and unit[-1] > 0.99
+    assert max(elu) < 0.4
+    # the tolerance separates two honest runs from a mistake: it is tighter than the gap
+    from course_attn.grading.ch10 import recall_stats
+    for seed in range(10):
+        for case in hidden_cases(RECALL, seed):
+            acc, tol = recall_stats(*case.args)
+            assert 0 < tol < 0.2, (case.name, tol)
+
+
+def test_recall_accuracy_is_a_fraction_not_a_string():
+    assert_fails(RECALL, lambda *a: "0.8", CROWDED, message="should be a number")
+
+
+def test_recall_accuracy_may_not_call_the_package():
+    def with_the_package(*args):
+        course_attn.causal_mask(2)
+        return recall_accuracy(*args)
+    assert_banned(RECALL, with_the_package, "course_attn")

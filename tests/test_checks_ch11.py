@@ -422,3 +422,172 @@ def test_window_budget_may_not_call_the_package():
         course_attn.causal_mask(2)
         return window_budget(**size)
     assert_banned(BUDGET, with_the_package, "course_attn")
+
+
+# --- window_decode (debug) -------------------------------------------------------------------------
+
+DECODE = "ch11.window_decode"
+SLIDES, ONES, WIDE = ("T=10, W=4: the window slides; B=1, H=2, D=Dv=8",
+                      "constant values (every value 1): every output must be 1; T=9, W=4",
+                      "a window wider than the sequence: T=5, W=8")
+
+
+def window_decode(q, k, v, window, *, held="written", no_window=False):
+    """The repaired loop of the notebook; ``held="all_slots"`` is the given bug, ``"before"``
+    the half-repair that slices the buffer to the first i slots, ``no_window`` one that drops
+    the buffer and reads every token so far."""
+    b, h, t, d = q.shape
+    keys = q.new_zeros(b, h, window, d)
+    values = q.new_zeros(b, h, window, v.shape[-1])
+    outs = []
+    for i in range(t):
+        keys[:, :, i % window] = k[:, :, i]
+        values[:, :, i % window] = v[:, :, i]
+        if no_window:
+            ks, vs = k[:, :, :i + 1], v[:, :, :i + 1]
+        elif held == "all_slots":
+            ks, vs = keys, values
+        elif held == "before":
+            n = i if i < window else window
+            ks, vs = keys[:, :, :n], values[:, :, :n]
+        else:
+            n = min(i + 1, window)
+            ks, vs = keys[:, :, :n], values[:, :, :n]
+        scores = q[:, :, i:i + 1] @ ks.transpose(-2, -1) / math.sqrt(d)
+        outs.append(torch.softmax(scores, dim=-1) @ vs)
+    return torch.cat(outs, dim=2)
+
+
+def test_window_decode_solution_passes_with_the_watch_on():
+    for cases in [None] + [hidden_cases(DECODE, seed) for seed in range(5)]:
+        judgement = run_exercise(get(DECODE), window_decode, cases)
+        assert judgement.passed, (judgement.banned, [(r.name, r.message) for r in
+                                                     judgement.results if not r.passed])
+
+
+def test_the_given_decode_loop_fails_with_the_bugs_hint():
+    import nbformat
+    from course_attn.grading.ch11 import given_window_decode
+    assert_fails(DECODE, given_window_decode, ONES, hint="no token has been written")
+    assert_fails(DECODE, given_window_decode, SLIDES, hint="no token has been written")
+    root = Path(__file__).resolve().parents[1]
+    for folder in ("solutions", "exercises"):                 # the notebooks give this one
+        nb = nbformat.read(root / folder / "11_local_attention.ipynb", as_version=4)
+        given = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id")
+                 == "ch11-window_decode-given"]
+        assert len(given) == 1 and given[0].metadata["nbgrader"]["locked"]
+        namespace = {"torch": torch, "math": math}
+        exec(given[0].source, namespace)
+        assert_fails(DECODE, namespace["given_window_decode"], WIDE,
+                     hint="no token has been written")
+
+
+def test_window_decode_half_repairs_are_named():
+    assert_fails(DECODE, lambda *a: window_decode(*a, held="all_slots"), WIDE,
+                 hint="no token has been written")
+    assert_fails(DECODE, lambda *a: window_decode(*a, held="before"), SLIDES,
+                 hint="misses its own key")
+    assert_fails(DECODE, lambda *a: window_decode(*a, no_window=True), SLIDES,
+                 hint="has no window")
+
+
+def test_window_decode_is_the_rolling_cache_of_the_package():
+    """The repaired loop gives what decoding with the package's RollingKVCache gives."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 11, 4, generator=g) for _ in range(3))
+    cache, outs = RollingKVCache(1, 2, 3, 4), []
+    for i in range(11):
+        k_held, v_held = cache.update(k[:, :, i:i + 1], v[:, :, i:i + 1])
+        outs.append(course_attn.scaled_dot_product_attention(q[:, :, i:i + 1], k_held, v_held))
+    torch.testing.assert_close(window_decode(q, k, v, 3), torch.cat(outs, dim=2))
+
+
+def test_window_decode_may_not_call_the_package_or_sdpa():
+    def with_sdpa(q, k, v, window):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert_banned(DECODE, with_sdpa, "scaled_dot_product_attention")
+
+    def with_the_package(q, k, v, window):
+        return course_attn.scaled_dot_product_attention(q, k, v, is_causal=True, window=window)
+    assert_banned(DECODE, with_the_package, "course_attn")
+
+
+# --- receptive_field (measure) ---------------------------------------------------------------------
+
+FIELD = "ch11.receptive_field"
+ONE_LAYER, THREE_LAYERS, CUT = "L=1, W=4, T=24", "L=3, W=4, T=24", \
+    "the reach is cut at position 0: L=5, W=4, T=10"
+
+
+def receptive_field(layers, window, length, seed, *, extra=0, causal_only=False,
+                    every_output=False, count=False, backward=False):
+    """The notebook's solution; the keywords make it a typical mistake (a window of W + extra
+    keys, a mask only causal, the gradient of every output, the number of positions) or another
+    honest route (``.backward()``)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, length, 8, generator=g, requires_grad=True)
+    pos = torch.arange(length)
+    back = pos[:, None] - pos[None, :]
+    allowed = (back >= 0) if causal_only else (back >= 0) & (back < window + extra)
+    h = x
+    for _ in range(layers):
+        wq, wk, wv = (torch.randn(8, 8, generator=g) / math.sqrt(8) for _ in range(3))
+        scores = ((h @ wq) @ (h @ wk).transpose(-2, -1) / math.sqrt(8)).masked_fill(
+            ~allowed, float("-inf"))
+        h = h + torch.softmax(scores, dim=-1) @ (h @ wv)
+    out = h.sum() if every_output else h[0, -1].sum()
+    if backward:
+        out.backward()
+        grad = x.grad
+    else:
+        (grad,) = torch.autograd.grad(out, x)
+    touched = (grad[0] != 0).any(dim=-1)
+    return int(touched.sum()) if count else int(touched.nonzero()[0])
+
+
+def test_receptive_field_solution_passes_with_the_watch_on():
+    for fn in (receptive_field, lambda *a: receptive_field(*a, backward=True)):
+        for cases in [None] + [hidden_cases(FIELD, seed) for seed in range(5)]:
+            judgement = run_exercise(get(FIELD), fn, cases)
+            assert judgement.passed, (judgement.banned, [(r.name, r.message) for r in
+                                                         judgement.results if not r.passed])
+
+
+def test_receptive_field_mistakes_as_a_student_makes_them():
+    assert_fails(FIELD, lambda *a: receptive_field(*a, extra=1), ONE_LAYER, hint="W + 1 keys",
+                 message="too early")
+    assert_fails(FIELD, lambda *a: receptive_field(*a, extra=-1), THREE_LAYERS,
+                 hint="W - 1 keys", message="too late")
+    assert_fails(FIELD, lambda *a: receptive_field(*a, causal_only=True), ONE_LAYER,
+                 hint="only causal")
+    assert_fails(FIELD, lambda *a: receptive_field(*a, every_output=True), THREE_LAYERS,
+                 hint="only causal")
+    assert_fails(FIELD, lambda *a: receptive_field(*a, count=True), ONE_LAYER,
+                 hint="how many positions")
+    assert_fails(FIELD, lambda *a: 7.5, ONE_LAYER, message="not a whole number")
+
+
+def test_the_measured_receptive_field_is_the_rule_on_every_seed():
+    """The reference measures L·(W - 1) + 1 positions, cut at position 0, for every model the
+    hidden cases draw; each measurement runs in well under a second."""
+    import time
+    reference = get(FIELD).reference
+    for seed in range(30):
+        for case in hidden_cases(FIELD, seed):
+            layers, window, length, _ = case.args
+            start = time.perf_counter()
+            assert reference(*case.args) == max(0, length - 1 - layers * (window - 1)), case
+            assert time.perf_counter() - start < 1.0
+
+
+def test_receptive_field_may_not_call_the_package_or_sdpa():
+    def with_sdpa(layers, window, length, seed):
+        x = torch.randn(1, 1, length, 8, requires_grad=True)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        return receptive_field(layers, window, length, seed)
+    assert_banned(FIELD, with_sdpa, "scaled_dot_product_attention")
+
+    def with_the_mask(layers, window, length, seed):
+        course_attn.sliding_window_mask(length, length, window)
+        return receptive_field(layers, window, length, seed)
+    assert_banned(FIELD, with_the_mask, "course_attn")

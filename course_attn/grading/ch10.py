@@ -13,16 +13,28 @@
                           the two orders of the product, the length where they cross, and the
                           bytes of a KV cache against the state of linear attention (derive,
                           on sizes drawn at grading time)
+    ch10.causal_linear_attention  causal_linear_attention(fq, fk, v) -> (B, H, T, Dv): the
+                          repaired prefix-sum form of causal linear attention (debug: the
+                          notebook gives it with its normaliser summed along the wrong axis)
+    ch10.recall_accuracy  recall_accuracy(n_pairs, features, kind, seed) -> float: the fraction
+                          of N pairs a state of D' = features recalls, for random unit keys or
+                          elu features (measure, on sizes and seeds drawn at grading time)
+
+Tasks: elu_feature_map and recurrent_step are warm-ups (the chapter shows them); chunk_step
+implements what it sets up; linear_costs derives; causal_linear_attention debugs;
+recall_accuracy measures.
 
 References: ``course_attn.linear.elu_features``; ``course_attn.linear.LinearAttentionState``
 (``add`` then ``read``), token by token, for both steps; the counts from T²(D' + Dv) and
 2·T·D'·Dv, and the sizes 2·L·H·T·D·nbytes and L·H·(D'·Dv + D')·nbytes.
 """
 
+import math
+
 import torch
 
 from ..linear import EPS, LinearAttentionState, elu_features
-from .cases import count_questions, expect_tensor, expect_tensors, randn
+from .cases import as_number, count_questions, expect_tensor, expect_tensors, randn
 from .exercise import Case, Exercise, Mistake, register
 from .operations import ELEMENTARY, ELU, NONE, NO_LIBRARY_ATTENTION, SOFTMAX
 
@@ -54,6 +66,7 @@ def _elu_cases():
 
 register(Exercise(
     key="ch10.elu_feature_map", function="elu_feature_map", reference=elu_feature_map_reference,
+    task="warm-up",  # the chapter writes it with F.elu; here without, a first step
     ops=ELEMENTARY - ELU,
     cases=_elu_cases, compare=expect_tensor, banned=NO_LIBRARY_ELU,
     mistakes=(
@@ -131,6 +144,7 @@ def _step_wrong(*, read_first=False, normalise=True, update_z=True, new_state=Tr
 
 register(Exercise(
     key="ch10.recurrent_step", function="recurrent_step", reference=recurrent_step_reference,
+    task="warm-up",  # the body of the chapter's causal_recurrent loop, as one step
     ops=ELEMENTARY | SOFTMAX,
     cases=_step_cases, compare=expect_tensors(("out", "s", "z")), banned=NO_LIBRARY_ATTENTION,
     mistakes=(
@@ -210,6 +224,7 @@ def _chunk_wrong(*, diagonal=0, masked=True, carry="before", normalise=True, car
 
 register(Exercise(
     key="ch10.chunk_step", function="chunk_step", reference=chunk_step_reference,
+    task="implement",  # one chunk from a carry: the chapter computes every chunk at once
     ops=ELEMENTARY | SOFTMAX,
     cases=_chunk_cases, compare=expect_tensors(("out", "s", "z")), banned=NO_LIBRARY_ATTENTION,
     mistakes=(
@@ -329,13 +344,227 @@ register(Exercise(
                 _answering(crossover_length=lambda D, F, **_: 2 * F * D // (F + D))),
         Mistake("you counted the keys only: the cache holds the values too, as many again",
                 _costs_with(kv_tensors=1)),
-        *(Mistake("you counted numbers, not bytes: each number takes nbytes bytes", fn)
-          for fn in (_costs_with(numbers=True),
-                     _answering(kv_cache_bytes=lambda T, D, L, H, **_: 2 * L * H * T * D),
-                     _answering(state_bytes=lambda D, L, H, **_: L * H * (D * D + D)))),
+        # Matched part by part (Case.part): this one names a wrong (d) or (e), or both.
+        Mistake("you counted numbers, not bytes: each number takes nbytes bytes",
+                _costs_with(numbers=True)),
         Mistake("you left out z: the state is s (D', Dv) and the normaliser's z (D')",
                 _costs_with(no_z=True)),
         Mistake("your state grows with the length: s and z have the same size after 1 token or "
                 "T", _costs_with(state_per_token=True)),
+    ),
+))
+
+
+# --- ch10.causal_linear_attention: debug a prefix-sum form whose normaliser is wrong -------------
+
+# The notebook gives this function, in a locked cell, as ``given_causal_linear_attention``: the
+# prefix-sum form (every token's state S_i at once, with cumsum over the tokens), a fourth way
+# to compute what the chapter computes three ways. Its bug: the normaliser z_i is summed over
+# the feature axis (dim=-1) instead of the token axis, so the weights of a query no longer sum
+# to its denominator, and a constant value does not come back as itself. (Exclusive against
+# inclusive prefix sums, and the axis of a cumsum, are the two ways such a form goes wrong.)
+
+def given_causal_linear_attention(fq, fk, v):
+    """The buggy function of the notebook, as it is given there."""
+    outer = fk.unsqueeze(-1) * v.unsqueeze(-2)      # (B, H, T, D', Dv): φ(k_j) v_jᵀ per token
+    memory = outer.cumsum(dim=-3)                   # S_i = Σ_{j <= i} φ(k_j) v_jᵀ
+    norm = fk.cumsum(dim=-1)                        # z_i = Σ_{j <= i} φ(k_j)
+    num = (fq.unsqueeze(-2) @ memory).squeeze(-2)   # φ(q_i)ᵀ S_i, (B, H, T, Dv)
+    den = (fq * norm).sum(dim=-1, keepdim=True)     # φ(q_i)ᵀ z_i, (B, H, T, 1)
+    return num / den
+
+
+def causal_linear_attention_reference(fq, fk, v):
+    """Features fq, fk (B, H, T, D') and values v (B, H, T, Dv) -> (B, H, T, Dv): causal
+    linear attention, token by token with ``LinearAttentionState`` from an empty state."""
+    b, h, _, d = fq.shape
+    s, z = fq.new_zeros(b, h, d, v.shape[-1]), fq.new_zeros(b, h, d)
+    return chunk_step_reference(fq, fk, v, s, z)[0]
+
+
+def sequence_case(name, b, h, t, d, dv, seed, hint="", dtype=torch.float32):
+    """Features of ``t`` queries and keys (elu of normal numbers) and their values."""
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    fq, fk = (elu_features(randn(b, h, t, d, seed=g, dtype=dtype)) for _ in range(2))
+    v = randn(b, h, t, dv, seed=g, dtype=dtype)
+    return Case(name, (fq, fk, v), hint=hint)
+
+
+def _sequence_cases():
+    yield sequence_case("one token: B=1, H=1, T=1, D'=Dv=4", 1, 1, 1, 4, 4, 1030,
+                        "a single token's output is its own value")
+    yield sequence_case("B=1, H=2, T=6, D'=Dv=4", 1, 2, 6, 4, 4, 1031,
+                        "each output is a weighted mean of the values 0 .. i: its weights must "
+                        "sum to its denominator")
+    ones = sequence_case("", 1, 2, 8, 5, 3, 1032)
+    yield Case("constant values (every value 1): every output must be 1; T=8, D'=5, Dv=3",
+               (ones.args[0], ones.args[1], torch.ones_like(ones.args[2])),
+               hint="a weighted mean of ones is one, whatever the weights")
+    yield sequence_case("D'=6, Dv=3, T=12; B=2, H=3", 2, 3, 12, 6, 3, 1033,
+                        "S_i sums over the tokens j <= i, and so must z_i")
+    yield sequence_case("float64, T=9", 1, 2, 9, 4, 5, 1034,
+                        "do not convert the inputs; let their dtype flow through",
+                        dtype=torch.float64)
+
+
+def _prefix_wrong(*, norm="inclusive", memory="inclusive"):
+    """causal linear attention by prefix sums, with the normaliser z_i (``norm``) and the state
+    S_i (``memory``) summed in one of these ways: "inclusive" (tokens j <= i, right),
+    "exclusive" (tokens j < i), "features" (z over the feature axis: the given bug), "all"
+    (every token, the future too), "own" (the token's own only) or "none" (no normaliser)."""
+    def prefix(x, rule, token_axis):
+        if rule == "inclusive":
+            return x.cumsum(token_axis)
+        if rule == "exclusive":
+            return x.cumsum(token_axis) - x
+        if rule == "all":
+            return x.sum(token_axis, keepdim=True).expand_as(x)
+        if rule == "own":
+            return x
+        return x.cumsum(-1)                                        # "features"
+
+    def attention(fq, fk, v):
+        memory_i = prefix(fk.unsqueeze(-1) * v.unsqueeze(-2), memory, -3)
+        num = (fq.unsqueeze(-2) @ memory_i).squeeze(-2)
+        if norm == "none":
+            return num
+        return num / (fq * prefix(fk, norm, -2)).sum(-1, keepdim=True)
+    return attention
+
+
+register(Exercise(
+    key="ch10.causal_linear_attention", function="causal_linear_attention",
+    reference=causal_linear_attention_reference, task="debug",
+    ops=ELEMENTARY,
+    cases=_sequence_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
+    mistakes=(
+        Mistake("your normaliser is summed along the wrong axis: z_i must add up the feature "
+                "vectors φ(k_j) of the tokens j <= i, as S_i does, not the features of one "
+                "token", given_causal_linear_attention),
+        Mistake("your normaliser leaves out the token itself: S_i holds the tokens j <= i, "
+                "and z_i must hold the same ones", _prefix_wrong(norm="exclusive")),
+        Mistake("your query does not see its own key: in causal attention token i attends to "
+                "the tokens j <= i, itself included",
+                _prefix_wrong(norm="exclusive", memory="exclusive")),
+        Mistake("your normaliser sums the keys of the future too: z_i must stop at token i, "
+                "as S_i does", _prefix_wrong(norm="all")),
+        Mistake("your normaliser holds the token's own key only: z_i sums the keys of every "
+                "token j <= i", _prefix_wrong(norm="own")),
+        Mistake("you left out the normaliser: divide by φ(q_i)ᵀ z_i, or the output is a sum "
+                "that grows with the length", _prefix_wrong(norm="none")),
+    ),
+))
+
+
+# --- ch10.recall_accuracy: measure what a fixed-size state recalls ------------------------------
+
+# The experiment (the notebook states it step by step): ``memories`` independent memories, each
+# the state S = Σ_j φ(k_j) e_{v_j}ᵀ of linear attention after N pairs (key, value), with
+# ``features`` = D' features per key and the values one-hot over RECALL_VALUES ids; each
+# memory is read back with every one of its own keys, φ(k_j)ᵀ S, and a pair counts as
+# recalled when the largest entry of the read is its value's id. The keys are random: "unit",
+# normal vectors scaled to length 1 (the keys of chapter 10's crosstalk cell), or "elu", the
+# features elu(x) + 1 of normal vectors x (the chapter's feature map, every feature positive).
+RECALL_VALUES, RECALL_MEMORIES = 64, 256
+RECALL_KINDS = ("unit", "elu")
+
+
+def _recall(n_pairs, features, kind, seed, *, unit=True, feature_map=True):
+    """The accuracy of each memory (float64, (memories,)); ``unit=False`` leaves the unit keys
+    as drawn, ``feature_map=False`` the elu keys without their feature map (typical mistakes)."""
+    if kind not in RECALL_KINDS:
+        raise ValueError(f"kind must be one of {RECALL_KINDS}, got {kind!r}")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(RECALL_MEMORIES, n_pairs, features, generator=g, dtype=torch.float64)
+    if kind == "unit":
+        keys = x / x.norm(dim=-1, keepdim=True) if unit else x
+    else:
+        keys = elu_features(x) if feature_map else x
+    values = torch.randint(RECALL_VALUES, (RECALL_MEMORIES, n_pairs), generator=g)
+    onehot = torch.nn.functional.one_hot(values, RECALL_VALUES).to(keys.dtype)
+    read = keys @ (keys.transpose(-2, -1) @ onehot)         # (memories, N, values)
+    return (read.argmax(-1) == values).to(torch.float64).mean(-1)
+
+
+_RECALL_STATS: dict = {}
+
+
+def recall_stats(n_pairs, features, kind, seed):
+    """(accuracy, tolerance) of the reference's measurement, cached: the tolerance is how far
+    an honest rerun of the experiment with other random draws may land from it (see
+    ``expect_recall``)."""
+    key = (n_pairs, features, kind, seed)
+    if key not in _RECALL_STATS:
+        per_memory = _recall(n_pairs, features, kind, seed)
+        mean = per_memory.mean().item()
+        # An honest measurement with other draws differs from this one by the difference of
+        # two independent means of M memories: standard deviation √2·σ/√M, with σ the spread
+        # of one memory's accuracy. σ is estimated from these M memories, and floored by the
+        # binomial spread of one memory's N reads at a shrunk accuracy (p + 1)/(N·M + 2)
+        # (never 0, for an accuracy measured as exactly 1 or 0). Four standard deviations:
+        # a student's correct experiment fails with probability below 1e-4; every typical
+        # mistake of the cases lands farther (tests/test_checks_ch10.py checks it).
+        total = n_pairs * RECALL_MEMORIES
+        p = (mean * total + 1) / (total + 2)
+        spread = math.sqrt(per_memory.var().item() + p * (1 - p) / n_pairs)
+        _RECALL_STATS[key] = (mean, 4 * math.sqrt(2) * spread / math.sqrt(RECALL_MEMORIES))
+    return _RECALL_STATS[key]
+
+
+def recall_accuracy_reference(n_pairs, features, kind, seed):
+    """The fraction of pairs recalled, over RECALL_MEMORIES memories of ``n_pairs`` pairs with
+    keys of ``features`` numbers of ``kind``, drawn with ``seed``."""
+    return recall_stats(n_pairs, features, kind, seed)[0]
+
+
+def expect_recall(actual, expected, case=None) -> None:
+    """A fraction (a Python float or a one-element tensor) within the experiment's tolerance of
+    the reference's measurement; a wrong one is told too large or too small."""
+    got = as_number(actual)
+    if got is None:
+        raise AssertionError(f"your measurement should be a number, got {type(actual).__name__}")
+    tolerance = recall_stats(*case.args)[1] if case is not None and case.args else 0.05
+    if not math.isfinite(got) or abs(got - expected) > tolerance:
+        direction = "too large" if got > expected else "too small"
+        raise AssertionError(f"your accuracy is {direction}: farther from the reference's "
+                             f"measurement than another run of the same experiment lands")
+
+
+def _recall_cases():
+    yield Case("unit keys, crowded: N=32 pairs in D'=8 features, seed 0", (32, 8, "unit", 0),
+               hint="32 pairs in 8 dimensions cannot be orthogonal: some reads return another "
+                    "pair's value")
+    yield Case("unit keys, room to spare: N=8 pairs in D'=64 features, seed 1",
+               (8, 64, "unit", 1),
+               hint="with many more features than pairs, random unit keys are nearly "
+                    "orthogonal")
+    yield Case("elu features: N=32 pairs in D'=64 features, seed 2", (32, 64, "elu", 2),
+               hint="the keys are φ(x) = elu(x) + 1 of normal x: every feature positive")
+    yield Case("unit keys, crowded: N=48 pairs in D'=12 features, seed 3", (48, 12, "unit", 3),
+               hint="normalise each key to length 1 over its features")
+
+
+def _measuring(**change):
+    def fn(n_pairs, features, kind, seed):
+        return _recall(n_pairs, features, kind, seed, **change).mean().item()
+    return fn
+
+
+register(Exercise(
+    key="ch10.recall_accuracy", function="recall_accuracy",
+    reference=recall_accuracy_reference, task="measure",
+    # An experiment: tensors, elu, argmax and one_hot, no attention and nothing of the package.
+    ops=ELEMENTARY | ELU,
+    cases=_recall_cases, compare=expect_recall, banned=("course_attn",),
+    mistakes=(
+        Mistake("your unit keys are not unit vectors: divide each key by its length over its "
+                "features, or the longer keys drown the others", _measuring(unit=False)),
+        Mistake("your elu keys are the normal vectors themselves: apply φ(x) = elu(x) + 1 "
+                "first", _measuring(feature_map=False)),
+        Mistake("you measured the fraction of pairs NOT recalled: the accuracy counts the "
+                "reads whose largest entry is the stored value's id",
+                lambda *args: 1 - recall_accuracy_reference(*args)),
+        Mistake("your accuracy is a percentage: return a fraction between 0 and 1",
+                lambda *args: 100 * recall_accuracy_reference(*args)),
     ),
 ))

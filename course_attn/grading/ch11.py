@@ -13,6 +13,16 @@
     ch11.window_budget          window_budget(T, W, L, H, H_kv, D, nbytes) -> dict: receptive
                                 field, layers needed, scored pairs and rolling-cache bytes of a
                                 sliding window of W keys (derive, on sizes drawn at grading time)
+    ch11.window_decode          window_decode(q, k, v, window) -> (B, H, T, Dv): the repaired
+                                rolling-buffer decode loop (debug: the notebook gives it scoring
+                                the slots not written yet)
+    ch11.receptive_field        receptive_field(layers, window, length, seed) -> int: the
+                                earliest input position whose gradient on the last output is
+                                not 0, for a random model of L windowed layers (measure)
+
+Tasks: window_mask is a warm-up (the chapter states its rule); rolling_index and
+local_attention_block implement; window_budget derives; window_decode debugs;
+receptive_field measures.
 
 References: ``course_attn.sliding_window_mask``; the rolling-buffer rule below;
 ``course_attn.scaled_dot_product_attention(..., is_causal=True, window=W)`` on the keys in reach;
@@ -27,7 +37,8 @@ from ..attention import scaled_dot_product_attention
 from ..masks import query_key_offsets, sliding_window_mask
 from .cases import count_questions, as_number, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
-from .operations import ELEMENTARY, NONE, NO_LIBRARY_ATTENTION, NO_LIBRARY_MASKS, SOFTMAX
+from .operations import (ELEMENTARY, NONE, NO_LIBRARY_ATTENTION, NO_LIBRARY_MASKS, SOFTMAX,
+                         SOFTMAX_BACKWARD)
 
 # --- ch11.window_mask ----------------------------------------------------------------------------
 
@@ -58,6 +69,7 @@ def _offsets(tq, tk, align="bottom_right"):
 
 register(Exercise(
     key="ch11.window_mask", function="window_mask", reference=window_mask_reference,
+    task="warm-up",  # the chapter states the rule and checks it on a square mask
     ops=ELEMENTARY,
     cases=_window_cases, compare=expect_tensor, banned=NO_LIBRARY_MASKS,
     mistakes=(
@@ -130,6 +142,7 @@ def _rolling_cases():
 
 register(Exercise(
     key="ch11.rolling_index", function="rolling_index", reference=rolling_index_reference,
+    task="implement",  # the chapter's t mod W, with attention sinks it does not show
     ops=ELEMENTARY,
     cases=_rolling_cases, compare=expect_int, banned=("course_attn",),
     mistakes=(
@@ -223,6 +236,9 @@ def _block_wrong(*, lo_shift=0, hi_all=False, keep=None, align="bottom_right", o
 
 register(Exercise(
     key="ch11.local_attention_block", function="local_attention_block",
+    # The chapter's loop body for one block, with the keys out of reach poisoned with NaN: it
+    # tests the idea that makes local attention O(T·W), reading only the keys in reach.
+    task="implement",
     ops=ELEMENTARY | SOFTMAX,
     reference=local_attention_block_reference, cases=_block_cases, compare=expect_tensor,
     banned=NO_LIBRARY_ATTENTION,
@@ -362,5 +378,182 @@ register(Exercise(
                 _budget_with(query_heads=True)),
         Mistake("you counted the keys only: the cache holds the values too",
                 _budget_with(keys_only=True)),
+    ),
+))
+
+
+# --- ch11.window_decode: debug a rolling-buffer decode loop ---------------------------------------
+
+# The notebook gives this function, in a locked cell, as ``given_window_decode``: causal
+# sliding-window attention computed the way a decoder runs it, one token at a time, with keys
+# and values written into a rolling buffer of W slots (slot t mod W) allocated once, with
+# zeros. Its bug: until the buffer is full, the query also scores the slots no token has been
+# written to yet; their keys are 0, so each gets the weight of a score of 0, and their values,
+# 0, pull the output towards 0 (a real bug of hand-written rolling caches: the chapter's
+# RollingKVCache.update returns only the min(W, seen) slots written).
+
+def given_window_decode(q, k, v, window):
+    """The buggy function of the notebook, as it is given there."""
+    b, h, t, d = q.shape
+    keys = q.new_zeros(b, h, window, d)                  # the rolling buffer, allocated once
+    values = q.new_zeros(b, h, window, v.shape[-1])
+    outs = []
+    for i in range(t):                                   # token i arrives
+        keys[:, :, i % window] = k[:, :, i]              # overwrite the oldest slot
+        values[:, :, i % window] = v[:, :, i]
+        scores = q[:, :, i:i + 1] @ keys.transpose(-2, -1) / math.sqrt(d)   # (B, H, 1, W)
+        outs.append(torch.softmax(scores, dim=-1) @ values)
+    return torch.cat(outs, dim=2)
+
+
+def window_decode_reference(q, k, v, window):
+    """q, k (B, H, T, D), v (B, H, T, Dv) -> (B, H, T, Dv): causal attention with a sliding
+    window of ``window`` keys, the package's, with the window applied as a mask."""
+    return scaled_dot_product_attention(q, k, v, is_causal=True, window=window)
+
+
+def decode_case(name, b, h, t, window, d, dv, seed, hint="", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed) if isinstance(seed, int) else seed
+    q, k = (randn(b, h, t, d, seed=g, dtype=dtype, scale=1.5) for _ in range(2))
+    v = randn(b, h, t, dv, seed=g, dtype=dtype)
+    return Case(name, (q, k, v, window), hint=hint)
+
+
+def _decode_cases():
+    yield decode_case("T=10, W=4: the window slides; B=1, H=2, D=Dv=8", 1, 2, 10, 4, 8, 8, 1110,
+                      "token i sees the tokens max(0, i - W + 1) .. i, and no slot else")
+    c = decode_case("", 1, 2, 9, 4, 6, 3, 1111)
+    yield Case("constant values (every value 1): every output must be 1; T=9, W=4",
+               (c.args[0], c.args[1], torch.ones_like(c.args[2]), 4),
+               hint="a weighted mean of ones is one: no weight may go to a slot that holds no "
+                    "token")
+    yield decode_case("a window wider than the sequence: T=5, W=8", 1, 1, 5, 8, 4, 4, 1112,
+                      "while the buffer is not full, only the slots written so far hold tokens")
+    yield decode_case("W=1: each token sees itself only; T=4", 1, 2, 4, 1, 4, 4, 1113,
+                      "with W = 1 each output is the token's own value")
+    yield decode_case("Dv=3, D=6, B=2, H=3, float64: T=12, W=5", 2, 3, 12, 5, 6, 3, 1114,
+                      "do not convert the inputs; let their dtype flow through",
+                      dtype=torch.float64)
+
+
+def _decode_wrong(*, unwritten=True, held="window"):
+    """window_decode with one mistake, as a student writes it: ``unwritten`` scores the slots
+    no token has reached yet (the given bug); ``held`` the tokens token i reads besides:
+    "window" (the last W, right), "before" (slots 0 .. i - 1 of the buffer while it fills,
+    the token itself missed), "all" (every token so far: no window)."""
+    def decode(q, k, v, window):
+        t, d = q.shape[2], q.shape[-1]
+        outs = []
+        for i in range(t):
+            if held == "all":
+                lo, hi = 0, i + 1
+            elif held == "before" and i < window:
+                lo, hi = 0, i                             # slots 0 .. i - 1: tokens 0 .. i - 1
+            else:
+                lo, hi = max(0, i - window + 1), i + 1
+            ks, vs = k[:, :, lo:hi], v[:, :, lo:hi]
+            if unwritten and hi - lo < window:            # the empty slots: key 0, value 0
+                pad = window - (hi - lo)
+                ks = torch.cat([ks, ks.new_zeros(*ks.shape[:2], pad, ks.shape[-1])], dim=2)
+                vs = torch.cat([vs, vs.new_zeros(*vs.shape[:2], pad, vs.shape[-1])], dim=2)
+            scores = q[:, :, i:i + 1] @ ks.transpose(-2, -1) / math.sqrt(d)
+            outs.append(torch.softmax(scores, dim=-1) @ vs)
+        return torch.cat(outs, dim=2)
+    return decode
+
+
+register(Exercise(
+    key="ch11.window_decode", function="window_decode", reference=window_decode_reference,
+    task="debug",
+    ops=ELEMENTARY | SOFTMAX,
+    cases=_decode_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
+    mistakes=(
+        Mistake("your query scores slots that no token has been written to yet: while the "
+                "buffer fills, their keys and values are 0, and a score of 0 still gets a "
+                "weight; read only the slots written so far", given_window_decode),
+        Mistake("while the buffer fills, your query misses its own key: after token i is "
+                "written the buffer holds i + 1 tokens, not i",
+                _decode_wrong(unwritten=False, held="before")),
+        Mistake("your repaired function has no window: token i sees only the last W tokens, "
+                "the buffer's, not every token before it",
+                _decode_wrong(unwritten=False, held="all")),
+    ),
+))
+
+
+# --- ch11.receptive_field: measure the reach of L windowed layers with gradients -----------------
+
+RF_DIM = 8  # the width of the reference's model: any width gives the same reach
+
+
+def receptive_field_reference(layers, window, length, seed):
+    """The earliest input position whose gradient on the last position's output is non-zero,
+    for a random model (drawn with ``seed``) of ``layers`` residual layers of causal
+    sliding-window attention with ``window`` keys, on ``length`` positions. Measured, with
+    autograd, through the package's attention: its masked weights are exactly 0, so is every
+    gradient out of reach."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 1, length, RF_DIM, generator=g, dtype=torch.float64, requires_grad=True)
+    h = x
+    for _ in range(layers):
+        wq, wk, wv = (torch.randn(RF_DIM, RF_DIM, generator=g, dtype=torch.float64)
+                      / math.sqrt(RF_DIM) for _ in range(3))
+        h = h + scaled_dot_product_attention(h @ wq, h @ wk, h @ wv, is_causal=True,
+                                             window=window)
+    (grad,) = torch.autograd.grad(h[0, 0, -1].sum(), x)
+    return int((grad[0, 0] != 0).any(-1).nonzero()[0])
+
+
+def expect_position(actual, expected, case=None) -> None:
+    """An int (or a one-element integer tensor) equal to ``expected``, a position."""
+    got = as_number(actual)
+    if got is None:
+        raise AssertionError(f"your answer should be an int, got {type(actual).__name__}")
+    if isinstance(got, float) and not got.is_integer():
+        raise AssertionError(f"your answer {got!r} is not a whole number: a position is an int")
+    if got != expected:
+        raise AssertionError(f"your position is {'too late' if got > expected else 'too early'}")
+
+
+def _rf_cases():
+    yield Case("L=1, W=4, T=24", (1, 4, 24, 0),
+               hint="one layer: the last position reads its own input and the W - 1 before it")
+    yield Case("L=3, W=4, T=24", (3, 4, 24, 1),
+               hint="each layer reaches W - 1 positions further back than the one below")
+    yield Case("L=2, W=6, T=30", (2, 6, 30, 2),
+               hint="find the first position whose gradient is not exactly 0")
+    yield Case("the reach ends exactly at position 0: L=3, W=5, T=13", (3, 5, 13, 3),
+               hint="here the reach just covers the sequence")
+    yield Case("the reach is cut at position 0: L=5, W=4, T=10", (5, 4, 10, 4),
+               hint="no position before 0: every input can reach the last output")
+
+
+def _rf_with(rule):
+    """A typical wrong measurement, from the reach it measures: ``rule(L, W, T)``."""
+    return lambda layers, window, length, seed: rule(layers, window, length)
+
+
+register(Exercise(
+    key="ch11.receptive_field", function="receptive_field",
+    reference=receptive_field_reference, task="measure",
+    # An experiment with autograd: the elementary operations, softmax, and their backward
+    # (the views' and the softmax's); no attention of PyTorch's or the package's, no ready mask.
+    ops=ELEMENTARY | SOFTMAX | SOFTMAX_BACKWARD | frozenset(
+        f"aten.{name}" for name in ("select_backward", "slice_backward", "diagonal_backward",
+                                    "index_select_backward", "masked_select_backward",
+                                    "unfold_backward", "value_selecting_reduction_backward")),
+    cases=_rf_cases, compare=expect_position,
+    banned=tuple(dict.fromkeys(NO_LIBRARY_ATTENTION + NO_LIBRARY_MASKS)),
+    mistakes=(
+        Mistake("your window holds W + 1 keys: a query sees W keys, its own included",
+                _rf_with(lambda L, W, T: max(0, T - 1 - L * W))),
+        Mistake("your window holds W - 1 keys: the query's own key counts as one of the W",
+                _rf_with(lambda L, W, T: max(0, T - 1 - L * (W - 2)))),
+        Mistake("your gradient reaches position 0: either your mask is only causal (keys W or "
+                "more positions back must be masked too) or you took the gradient of every "
+                "output, not of the last position's only", _rf_with(lambda L, W, T: 0)),
+        Mistake("you returned how many positions the last output depends on: the answer is "
+                "the earliest of them, a position",
+                _rf_with(lambda L, W, T: min(T, L * (W - 1) + 1))),
     ),
 ))

@@ -4,7 +4,7 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint, randn
-from course_attn.grading.ch10 import COSTS, chunk_case, step_case
+from course_attn.grading.ch10 import COSTS, chunk_case, sequence_case, step_case
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -131,3 +131,64 @@ def _(gen):
     sizes.append(dict(T=randint(2, 32768, gen), D=d, features=randint(2, d - 1, gen), **model(),
                       nbytes=2 * randint(1, 2, gen)))
     yield from COSTS.cases(*sizes)
+
+
+# ch10.causal_linear_attention: every case has T >= 2 tokens and D' >= 2 features (with one
+# token every prefix is the whole sequence, and the normaliser summed over the features or
+# over every token is right), so each declared mistake is wrong on each case; the regimes are
+# the widths (D' != Dv, so that a slip between the axes shows in the shapes too), a long
+# sequence (T > 16, where a normaliser that sums the future is far off) and the dtypes.
+def _sequence(rule):
+    """A regime of causal_linear_attention: ``rule`` of (fq, fk, v) of a case."""
+    return lambda case: bool(rule(*case.args))
+
+
+@hidden("ch10.causal_linear_attention", regimes={
+    "features and values of different widths (D' != Dv)":
+        _sequence(lambda fq, fk, v: fq.shape[-1] != v.shape[-1]),
+    "a long sequence (T > 16)": _sequence(lambda fq, fk, v: fq.shape[2] > 16),
+    "a short sequence (2 <= T <= 8)": _sequence(lambda fq, fk, v: 2 <= fq.shape[2] <= 8),
+    "float32": _sequence(lambda fq, fk, v: fq.dtype == torch.float32),
+    "float64": _sequence(lambda fq, fk, v: fq.dtype == torch.float64),
+})
+def _(gen):
+    b, h, d = randint(1, 2, gen), randint(1, 3, gen), randint(2, 7, gen)
+    dv, t = _other_than(d, 1, 7, gen), randint(2, 8, gen)
+    yield sequence_case(f"T={t}, B={b}, H={h}, D'={d}, Dv={dv}", b, h, t, d, dv, gen)
+    t = randint(17, 40, gen)
+    yield sequence_case(f"float64, T={t}", 1, h, t, d, randint(1, 6, gen), gen,
+                        dtype=torch.float64)
+
+
+# ch10.recall_accuracy: one experiment in each regime, on every seed (the experiment's seed
+# drawn too):
+# 1. unit keys, crowded: N from 3·D' to 4·D' pairs in D' = 6 .. 16 features, where keys left
+#    unnormalised recall clearly fewer pairs (and the accuracy, about 0.5 to 0.8, is told from
+#    the error rate);
+# 2. unit keys, room to spare: D' >= 4·N (the accuracy near 1);
+# 3. elu features, N = 8 .. 48 in D' = 8 .. 96 (about 0.1 to 0.4: the positive features mix
+#    every pair into every read), where normal keys without the feature map recall far more.
+def _experiment(rule):
+    """A regime of recall_accuracy: ``rule`` of (n_pairs, features, kind)."""
+    return lambda case: bool(rule(*case.args[:3]))
+
+
+@hidden("ch10.recall_accuracy", regimes={
+    "unit keys, crowded (3·D' <= N <= 4·D')":
+        _experiment(lambda n, d, kind: kind == "unit" and 3 * d <= n <= 4 * d),
+    "unit keys, room to spare (D' >= 4·N)":
+        _experiment(lambda n, d, kind: kind == "unit" and d >= 4 * n),
+    "elu features": _experiment(lambda n, d, kind: kind == "elu"),
+})
+def _(gen):
+    def seed():
+        return randint(0, 10_000, gen)
+
+    d = randint(6, 16, gen)
+    n = randint(3 * d, 4 * d, gen)                    # at most 64
+    yield Case(f"unit keys, N={n} pairs in D'={d} features", (n, d, "unit", seed()))
+    n = randint(2, 24, gen)
+    d = randint(4 * n, 4 * n + 32, gen)
+    yield Case(f"unit keys, N={n} pairs in D'={d} features", (n, d, "unit", seed()))
+    n, d = randint(8, 48, gen), randint(8, 96, gen)
+    yield Case(f"elu features, N={n} pairs in D'={d} features", (n, d, "elu", seed()))

@@ -4,7 +4,7 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint
-from course_attn.grading.ch11 import BUDGET, _block_case
+from course_attn.grading.ch11 import BUDGET, _block_case, decode_case
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -161,3 +161,68 @@ def _(gen):
     w = randint(16, 4096, gen)
     sizes.append(dict(T=randint(2, w, gen), W=w, **model(randint(2, 8, gen))))
     yield from BUDGET.cases(*sizes)
+
+
+# ch11.window_decode: every seed draws a sequence longer than the window (W >= 2, so the
+# buffer fills and then slides: scoring the unwritten slots, missing the token itself while it
+# fills and dropping the window are each wrong there), one no longer than the window (the
+# buffer never full), values of another width than the keys, and both dtypes.
+def _decode(rule):
+    """A regime of window_decode: ``rule`` of (q, v, window, t)."""
+    return lambda case: bool(rule(case.args[0], case.args[2], case.args[3],
+                                  case.args[0].shape[2]))
+
+
+@hidden("ch11.window_decode", regimes={
+    "the window slides (T > W >= 2)": _decode(lambda q, v, w, t: t > w >= 2),
+    "the buffer never fills (T <= W)": _decode(lambda q, v, w, t: t <= w),
+    "values of another width than the keys (Dv != D)":
+        _decode(lambda q, v, w, t: v.shape[-1] != q.shape[-1]),
+    "float32": _decode(lambda q, v, w, t: q.dtype == torch.float32),
+    "float64": _decode(lambda q, v, w, t: q.dtype == torch.float64),
+})
+def _(gen):
+    b, h, d = randint(1, 2, gen), randint(1, 3, gen), randint(2, 8, gen)
+    w = randint(2, 6, gen)
+    t = w + randint(2, 10, gen)
+    yield decode_case(f"T={t}, W={w}, B={b}, H={h}, D={d}", b, h, t, w, d, d, gen)
+    w = randint(3, 9, gen)
+    t = randint(2, w, gen)
+    dv = randint(1, d - 1, gen) if d > 2 else d + randint(1, 4, gen)
+    yield decode_case(f"float64, T={t}, W={w}, Dv={dv}", 1, h, t, w, d, dv, gen,
+                      dtype=torch.float64)
+
+
+# ch11.receptive_field: one model in each regime, on every seed (the model's seed drawn too),
+# L from 1 to 5 layers and W from 2 to 8: the reach ends inside the sequence, T - 1 =
+# L·(W - 1) + e with e in 1 .. L·(W - 1) (a window one key too wide or too narrow, a mask
+# only causal and the number of positions instead of the earliest are each wrong there:
+# e = L·(W - 1) + 1 would make the count equal the position, so e stays below it); it ends
+# exactly at position 0; it would end before 0, and is cut there.
+def _reach(rule):
+    """A regime of receptive_field: ``rule`` of (layers, window, length)."""
+    return lambda case: bool(rule(*case.args[:3]))
+
+
+@hidden("ch11.receptive_field", regimes={
+    "the reach ends inside the sequence (T - 1 > L·(W - 1))":
+        _reach(lambda L, W, T: T - 1 > L * (W - 1)),
+    "the reach ends exactly at position 0 (T - 1 = L·(W - 1))":
+        _reach(lambda L, W, T: T - 1 == L * (W - 1)),
+    "the reach is cut at position 0 (T - 1 < L·(W - 1))":
+        _reach(lambda L, W, T: T - 1 < L * (W - 1)),
+})
+def _(gen):
+    def model():
+        return randint(1, 5, gen), randint(2, 8, gen), randint(0, 10_000, gen)
+
+    layers, w, seed = model()
+    t = layers * (w - 1) + 1 + randint(1, layers * (w - 1), gen)
+    yield Case(f"L={layers}, W={w}, T={t}", (layers, w, t, seed))
+    layers, w, seed = model()
+    t = layers * (w - 1) + 1
+    yield Case(f"L={layers}, W={w}, T={t}", (layers, w, t, seed))
+    layers, w, seed = model()
+    layers = max(layers, 2)
+    t = randint(2, layers * (w - 1), gen)
+    yield Case(f"L={layers}, W={w}, T={t}", (layers, w, t, seed))
