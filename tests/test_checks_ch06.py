@@ -15,8 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import nbformat
+
 import course_attn
 from course_attn.grading import get, run_exercise
+from course_attn.grading.judge import Answer, judge_case
 from course_attn.grading.exercise import hidden_cases, load_hidden
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
@@ -60,9 +63,40 @@ def qk_norm_limits(D, T, q_gain, k_gain, weight):
             "gain_for_weight": math.sqrt(g_squared)}
 
 
+def gemma_rms_norm(x, weight, eps=1e-6):
+    return rms_norm(x, 1 + weight, eps)
+
+
+def qk_norm_heads(q, k, v, q_gain, k_gain):
+    head_dim = q.shape[-1]
+    q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * q_gain
+    k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * k_gain
+    q = q * head_dim ** -0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k)
+    t = scores.shape[-1]
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def qk_rope_predictions(D, q_gain, k_gain, candidates):
+    half = D // 2
+    after = max(abs(a * b) for a, b in zip(q_gain, k_gain)) * math.sqrt(D)
+    before = max(max(abs(q_gain[i]), abs(q_gain[i + half]))
+                 * max(abs(k_gain[i]), abs(k_gain[i + half])) for i in range(half)) * math.sqrt(D)
+
+    def letter(value):
+        return next(x for x, number in candidates.items()
+                    if math.isclose(number, value, rel_tol=1e-6))
+    sharper = "same" if math.isclose(before, after) else ("before" if before > after else "after")
+    return {"after_rope": letter(after), "before_rope": letter(before), "sharper": sharper}
+
+
 @pytest.mark.parametrize("key, fn", [
     ("ch06.rms_norm", rms_norm), ("ch06.qk_norm_attention", qk_norm_attention),
-    ("ch06.softcap", softcap), ("ch06.qk_norm_limits", qk_norm_limits)])
+    ("ch06.softcap", softcap), ("ch06.qk_norm_limits", qk_norm_limits),
+    ("ch06.gemma_rms_norm", gemma_rms_norm), ("ch06.qk_norm_heads", qk_norm_heads),
+    ("ch06.qk_rope_predictions", qk_rope_predictions)])
 def test_the_notebooks_solutions_pass_with_the_watch_on(key, fn):
     for cases in [None] + [hidden_cases(key, seed) or None for seed in range(5)]:
         judgement = run_exercise(get(key), fn, cases)
@@ -96,6 +130,19 @@ def test_rms_norm_mistakes():
         x - x.mean(-1, keepdim=True), weight, eps)
     assert_fails(key, centred, "x with a mean far from 0 (RMSNorm does not subtract it)",
                  hint="that is LayerNorm")
+
+
+def test_rms_norm_by_f_normalize_is_told_it_left_eps_out():
+    """F.normalize(x) · sqrt(D) is x / RMS(x) with no eps: it is told so, not that eps sits
+    after the root."""
+    def by_normalize(x, weight=None, eps=1e-6):
+        out = F.normalize(x, dim=-1) * math.sqrt(x.shape[-1])
+        return out if weight is None else out * weight
+    assert_fails("ch06.rms_norm", by_normalize, "small x, eps=0.1", hint="left eps out")
+    assert_fails("ch06.rms_norm", by_normalize,
+                 "(B, H, T, D) = (2, 3, 5, 16), float64, with a weight", hint="left eps out")
+    found = results("ch06.rms_norm", by_normalize, watch=False)
+    assert not any("after the square root" in r.hint for r in found.values())
 
 
 def test_rms_norm_may_not_call_a_ready_made_one():
@@ -141,6 +188,15 @@ def test_qk_norm_attention_mistakes():
     # a causal mask forgotten: no typical mistake, the case's own hint
     assert_fails(key, lambda q, k, v, qw, kw, is_causal=False: qk_norm_attention(q, k, v, qw, kw),
                  "causal, T=5", hint="-inf above the diagonal")
+
+
+def test_qk_norm_attention_l2_normalised_is_named():
+    def l2(q, k, v, qw, kw, is_causal=False):
+        return attend(F.normalize(q, dim=-1) * qw, F.normalize(k, dim=-1) * kw, v, is_causal)
+    assert_fails("ch06.qk_norm_attention", l2, "B=2, H=3, T=5, D=8, gains near 1",
+                 hint="L2-normalised")
+    assert_fails("ch06.qk_norm_attention", l2, "gains all 1: scores are cosines times sqrt(D)",
+                 hint="L2-normalised")
 
 
 def test_swapping_the_gains_is_no_mistake():
@@ -313,3 +369,262 @@ def test_qk_norm_limits_may_not_call_the_package():
         return {**qk_norm_limits(D, T, q_gain, k_gain, weight),
                 "max_score": (x @ x).item() / math.sqrt(D)}
     assert_banned(LIMITS_KEY, with_the_package, "course_attn")
+
+
+# --- gemma_rms_norm ------------------------------------------------------------------------------
+
+GEMMA = "ch06.gemma_rms_norm"
+
+
+def test_gemma_rms_norm_is_what_a_plain_rms_norm_gives_with_the_gain_1_plus_w():
+    x, w = torch.randn(3, 5, 8, dtype=torch.float64), 0.1 * torch.randn(8, dtype=torch.float64)
+    torch.testing.assert_close(get(GEMMA).reference(x, w), F.rms_norm(x, (8,), 1 + w, eps=1e-6))
+    torch.testing.assert_close(get(GEMMA).reference(x, torch.zeros(8, dtype=torch.float64)),
+                               F.rms_norm(x, (8,), eps=1e-6))
+
+
+def test_gemma_rms_norm_mistakes():
+    first, zeros = ("x (2, 3, 8), a stored weight near 0 (as a checkpoint holds it)",
+                    "x (4, 6), a weight of zeros: the plain normalisation")
+    assert_fails(GEMMA, lambda x, weight, eps=1e-6: rms_norm(x, weight, eps), first,
+                 hint="the stored weight itself")
+    assert_fails(GEMMA, lambda x, weight, eps=1e-6: rms_norm(x, weight, eps), zeros,
+                 hint="the stored weight itself")
+    assert_fails(GEMMA, lambda x, weight, eps=1e-6: rms_norm(x, None, eps) + weight, first,
+                 hint="added the weight")
+    assert_fails(GEMMA, lambda x, weight, eps=1e-6: rms_norm(x * (1 + weight), None, eps), first,
+                 hint="before normalising")
+    assert_fails(GEMMA, lambda x, weight, eps=1e-6: F.normalize(x, dim=-1)
+                 * math.sqrt(x.shape[-1]) * (1 + weight), "small x (3, 4), eps=0.1",
+                 hint="left eps out")
+    assert_fails(GEMMA, lambda x, weight, eps=1e-6: x / (x.pow(2).mean(-1, keepdim=True).sqrt()
+                                                        + eps) * (1 + weight),
+                 "small x (3, 4), eps=0.1", hint="after the square root")
+
+
+def test_gemma_rms_norm_may_not_call_a_ready_made_one():
+    assert_banned(GEMMA, lambda x, weight, eps=1e-6: F.rms_norm(x, x.shape[-1:], 1 + weight, eps),
+                  "torch.nn.functional.rms_norm")
+    assert_banned(GEMMA, lambda x, weight, eps=1e-6: course_attn.rms_norm(x, 1 + weight, eps),
+                  "course_attn")
+
+
+# --- qk_norm_heads (debug) -----------------------------------------------------------------------
+
+HEADS = "ch06.qk_norm_heads"
+NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "06_qk_norm.ipynb"
+
+
+def _given_cell(grade_id):
+    for cell in nbformat.read(NOTEBOOK, as_version=4).cells:
+        if cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id:
+            return cell.source
+    raise KeyError(grade_id)
+
+
+def test_the_given_function_is_the_graders_and_its_demonstration_breaks_the_bound(capsys):
+    from course_attn.grading.ch06 import QK_NORM_HEADS_GIVEN
+    source = _given_cell("ch06-qk_norm_heads-given")
+    assert source.startswith(QK_NORM_HEADS_GIVEN)
+    namespace = {"torch": torch, "math": math}
+    exec(source, namespace)
+    printed = capsys.readouterr().out
+    assert namespace["weight_on_key_0"] > 2 * namespace["bound"]
+    assert "the bound" in printed
+    # the repaired function reaches the bound exactly, as section 4 says it should
+    names = ("demo_q", "demo_k", "demo_v", "unit", "unit")
+    repaired = qk_norm_heads(*(namespace[n] for n in names))[0, -1, 0, 0].item()
+    assert repaired == pytest.approx(namespace["bound"], rel=1e-4)
+
+
+def test_the_given_buggy_function_is_told_what_it_still_does_wrong():
+    namespace = {"torch": torch, "math": math}
+    exec(_given_cell("ch06-qk_norm_heads-given"), namespace)
+    for case in ("B=2, T=5, H=3, D=8, gains near 1", "float64, T=7, H=2, D=8"):
+        assert_fails(HEADS, namespace["qk_norm_heads"], case, hint="never reaches your scores")
+
+
+def test_qk_norm_heads_half_repairs():
+    first = "B=2, T=5, H=3, D=8, gains near 1"
+
+    def without(scale_q=1.0, scale_scores=1.0):
+        def fn(q, k, v, q_gain, k_gain):
+            q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * q_gain * scale_q(q)
+            k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * k_gain * scale_q(k)
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale_scores(q)
+            t = scores.shape[-1]
+            future = torch.ones(t, t, dtype=torch.bool).triu(1)
+            return torch.einsum("bhqk,bkhd->bqhd",
+                                scores.masked_fill(future, float("-inf")).softmax(-1), v)
+        return fn
+    one = lambda x: 1.0  # noqa: E731
+    root = lambda x: x.shape[-1] ** -0.5  # noqa: E731
+    # the line deleted, the scale nowhere
+    assert_fails(HEADS, without(one, one), first, hint="never reaches your scores")
+    # the scale after the norm on q and on k: twice
+    assert_fails(HEADS, without(root, one), first, hint="twice")
+    # on the normalised q (the repair) and on k only: the same answer, right
+    assert run_exercise(get(HEADS), qk_norm_heads).passed
+    # on the scores, after the norms: also right
+    def scaled_scores(q, k, v, q_gain, k_gain):
+        return without(one, root)(q, k, v, q_gain, k_gain)
+    assert run_exercise(get(HEADS), scaled_scores).passed
+
+
+def test_qk_norm_heads_may_not_call_a_library_attention():
+    def library(q, k, v, q_gain, k_gain):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(rms_norm(q, q_gain), rms_norm(k, k_gain), v,
+                                              is_causal=True).transpose(1, 2)
+    assert_banned(HEADS, library, "torch.nn.functional.scaled_dot_product_attention")
+
+
+# --- qk_rope_predictions -------------------------------------------------------------------------
+
+ROPE_KEY = "ch06.qk_rope_predictions"
+
+
+def _rope_sizes(seeds=range(5)):
+    cases = get(ROPE_KEY).public_cases() + [case for seed in seeds
+                                            for case in hidden_cases(ROPE_KEY, seed)]
+    sizes = []
+    for case in cases:
+        if dict(case.kwargs) not in sizes:
+            sizes.append(dict(case.kwargs))
+    return sizes
+
+
+def _scores_in_order(q, k, q_gain, k_gain, angles, before):
+    """q, k (N, D) float64; each pair of channels of k turned by ``angles`` (N, D/2) relative to
+    q (RoPE's q_m · k_n depends on n - m only), with the norm before or after the rotation."""
+    cos, sin = angles.cos(), angles.sin()
+    rotate = lambda x: course_attn.apply_rotary_emb(x, cos, sin)  # noqa: E731
+    if before:
+        q_hat = course_attn.rms_norm(q, q_gain, eps=0.0)
+        k_hat = rotate(course_attn.rms_norm(k, k_gain, eps=0.0))
+    else:
+        q_hat = course_attn.rms_norm(q, q_gain, eps=0.0)
+        k_hat = course_attn.rms_norm(rotate(k), k_gain, eps=0.0)
+    return (q_hat * k_hat).sum(-1) / math.sqrt(q.shape[-1])
+
+
+def test_the_rope_bounds_are_reached_and_never_beaten():
+    """The reference's two bounds, on the public and hidden gain patterns: random q, k and
+    rotations never beat them, and a q and k on the right channels, with the right turn of
+    their pair, reach them."""
+    from course_attn.grading.ch06 import rope_order_bounds
+    gen = torch.Generator().manual_seed(6)
+    for size in _rope_sizes():
+        d, qg, kg = size["D"], size["q_gain"], size["k_gain"]
+        bounds = rope_order_bounds(d, qg, kg)
+        q_gain, k_gain = (torch.tensor(g, dtype=torch.float64) for g in (qg, kg))
+        q, k = (torch.randn(2000, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        angles = 2 * math.pi * torch.rand(2000, d // 2, generator=gen, dtype=torch.float64)
+        for before, bound in ((True, bounds["before"]), (False, bounds["after"])):
+            assert _scores_in_order(q, k, q_gain, k_gain, angles, before).abs().max() <= \
+                bound * (1 + 1e-12)
+        # after: q and k on the channel of the largest |g^Q_i g^K_i|, no turn
+        channel = int((q_gain * k_gain).abs().argmax())
+        e = torch.zeros(1, d, dtype=torch.float64)
+        e[0, channel] = 1.0
+        none = torch.zeros(1, d // 2, dtype=torch.float64)
+        assert _scores_in_order(e, e, q_gain, k_gain, none, False).abs().item() == \
+            pytest.approx(bounds["after"])
+        # before: q on its larger channel of the best pair, k on its own, turned onto q's
+        half = d // 2
+        pair = max(range(half), key=lambda i: max(abs(qg[i]), abs(qg[i + half]))
+                   * max(abs(kg[i]), abs(kg[i + half])))
+        a = pair if abs(qg[pair]) >= abs(qg[pair + half]) else pair + half
+        b = pair if abs(kg[pair]) >= abs(kg[pair + half]) else pair + half
+        eq, ek = torch.zeros(1, d, dtype=torch.float64), torch.zeros(1, d, dtype=torch.float64)
+        eq[0, a], ek[0, b] = 1.0, 1.0
+        turn = torch.zeros(1, half, dtype=torch.float64)
+        turn[0, pair] = {0: 0.0, 1: math.pi / 2, -1: -math.pi / 2}[(a - b) // half]
+        assert _scores_in_order(eq, ek, q_gain, k_gain, turn, True).abs().item() == \
+            pytest.approx(bounds["before"])
+
+
+def _rope_names():
+    return {case.part: case.name for case in get(ROPE_KEY).public_cases()[:3]}, \
+        {case.part: case.name for case in get(ROPE_KEY).public_cases()[3:6]}
+
+
+def predicting(**wrong):
+    def fn(D, q_gain, k_gain, candidates):
+        right = qk_rope_predictions(D, q_gain, k_gain, candidates)
+        return {**right, **{key: answer(D, q_gain, k_gain, candidates)
+                            for key, answer in wrong.items()}}
+    return fn
+
+
+def _letter(candidates, value):
+    return next(x for x, number in candidates.items() if math.isclose(number, value,
+                                                                      rel_tol=1e-6))
+
+
+def test_qk_rope_predictions_mistakes():
+    first, second = _rope_names()
+    channel = lambda D, qg, kg, c: _letter(c, max(abs(a * b) for a, b in zip(qg, kg))  # noqa
+                                           * math.sqrt(D))
+    largest = lambda D, qg, kg, c: _letter(c, max(map(abs, qg)) * max(map(abs, kg))  # noqa
+                                           * math.sqrt(D))
+    unit = lambda D, qg, kg, c: _letter(c, math.sqrt(D))  # noqa: E731
+    # before RoPE as the chapter's section 3 bound, channel by channel
+    assert_fails(ROPE_KEY, predicting(before_rope=channel), first["before_rope"],
+                 hint="the rotation comes after the gains")
+    # before RoPE as section 5's bound of the norms: holds, not reached
+    assert_fails(ROPE_KEY, predicting(before_rope=largest), first["before_rope"],
+                 hint="holds before RoPE")
+    assert_fails(ROPE_KEY, predicting(before_rope=largest), second["before_rope"],
+                 hint="holds before RoPE")
+    assert_fails(ROPE_KEY, predicting(after_rope=largest), first["after_rope"],
+                 hint="channel by channel, g^Q_i g^K_i")
+    assert_fails(ROPE_KEY, predicting(after_rope=unit), first["after_rope"],
+                 hint="unit gains only")
+    assert_fails(ROPE_KEY, predicting(sharper=lambda *_: "same"), first["sharper"],
+                 hint="fact 2")
+    assert_fails(ROPE_KEY, predicting(sharper=lambda *_: "before"), second["sharper"],
+                 hint="fact 2")
+    assert_fails(ROPE_KEY, predicting(sharper=lambda *_: "after"), first["sharper"],
+                 hint="can only allow more")
+    assert_fails(ROPE_KEY, predicting(sharper=lambda *_: "later"), first["sharper"],
+                 message="not one of the options")
+    # two parts wrong at once: each named on its own
+    both = predicting(before_rope=channel, sharper=lambda *_: "same")
+    assert_fails(ROPE_KEY, both, first["before_rope"], hint="the rotation comes after the gains")
+    assert_fails(ROPE_KEY, both, first["sharper"], hint="fact 2")
+
+
+def test_qk_rope_predictions_pasted_letters_fail_the_hidden_cases():
+    exercise = get(ROPE_KEY)
+    table = [exercise.reference(**c.kwargs) for c in exercise.public_cases()[::3]]
+    for seed in range(20):
+        judgement = run_exercise(exercise, lambda **size: table[0], hidden_cases(ROPE_KEY, seed))
+        assert not judgement.passed, seed
+
+
+def test_qk_rope_predictions_may_not_make_tensors():
+    def by_tensors(D, q_gain, k_gain, candidates):
+        g = torch.tensor(q_gain) * torch.tensor(k_gain)
+        return {**qk_rope_predictions(D, q_gain, k_gain, candidates),
+                "after_rope": _letter(candidates, g.abs().max().item() * math.sqrt(D))}
+    assert_banned(ROPE_KEY, by_tensors, "torch.tensor")
+
+
+# --- two parts wrong at once: each named (mistakes are matched part by part) ----------------------
+
+def test_qk_norm_limits_two_wrong_parts_get_both_hints():
+    first = _first_set_names()
+    both = answering(max_score=lambda D, *_: D * 1.0,
+                     max_score_gains=lambda D, T, qg, kg, w: max(map(abs, qg))
+                     * max(map(abs, kg)) * math.sqrt(D))
+    assert_fails(LIMITS_KEY, both, first["max_score"], hint="forgot the 1/sqrt(D)")
+    assert_fails(LIMITS_KEY, both, first["max_score_gains"],
+                 hint="largest gain of q by the largest gain of k")
+    # and the grader's hidden cases name them too
+    exercise = get(LIMITS_KEY)
+    for case in hidden_cases(LIMITS_KEY, 0):
+        if case.part in ("max_score", "max_score_gains"):
+            result = judge_case(exercise, case, exercise.expected(case),
+                                Answer(value=both(**case.kwargs)), hidden=True)
+            assert not result.passed and result.hint in {m.hint for m in exercise.mistakes}

@@ -15,12 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import nbformat
+
 import course_attn
 from course_attn.grading import get, run_exercise
+from course_attn.grading.judge import Answer, judge_case
 from course_attn.grading.exercise import hidden_cases, load_hidden
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from check_support import assert_banned, assert_fails  # noqa: E402
+from check_support import assert_banned, assert_fails, results  # noqa: E402
 
 load_hidden(Path(__file__).resolve().parents[1] / "solutions")
 
@@ -63,8 +66,26 @@ def cache_questions(layers, heads, kv_heads, head_dim, bytes_per_element, query_
             "mla_saving": 2 * heads * head_dim / (latent_dim + rope_dim)}
 
 
+def grouped_attention(q, k, v):
+    b, h, tq, d = q.shape
+    hkv = k.shape[1]
+    q = q.reshape(b, hkv, h // hkv, tq, d)
+    k, v = k[:, :, None], v[:, :, None]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d)
+    return (scores.softmax(dim=-1) @ v).reshape(b, h, tq, -1)
+
+
+def copy_predictions(batch, kv_heads, n_rep, seq_len, head_dim):
+    view = kv_heads == 1 or n_rep == 1
+    numbers = batch * kv_heads * n_rep * seq_len * head_dim
+    return {"expand": "view", "repeat_kv": "view" if view else "copy", "repeat": "copy",
+            "new_bytes": 0 if view else 4 * numbers}
+
+
 SOLUTIONS = [("ch07.repeat_kv", repeat_kv), ("ch07.gqa_attention", gqa_attention),
-             ("ch07.kv_cache_bytes", kv_cache_bytes), ("ch07.cache_questions", cache_questions)]
+             ("ch07.kv_cache_bytes", kv_cache_bytes), ("ch07.cache_questions", cache_questions),
+             ("ch07.grouped_attention", grouped_attention),
+             ("ch07.copy_predictions", copy_predictions)]
 
 
 @pytest.mark.parametrize("key, fn", SOLUTIONS)
@@ -146,6 +167,21 @@ def test_gqa_attention_mistakes():
                  "Hkv=2, T=5", hint="-inf above the diagonal")
 
 
+def test_gqa_attention_with_the_values_unrepeated_is_named_by_its_error():
+    """q @ kᵀ works, the weights' H heads then meet v's Hkv: a RuntimeError, named."""
+    def values_unrepeated(q, k, v, is_causal=False):
+        return attend(q, repeat_kv(k, q.shape[1] // k.shape[1]), v, is_causal)
+
+    def keys_unrepeated(q, k, v, is_causal=False):
+        return attend(q, k, repeat_kv(v, q.shape[1] // k.shape[1]), is_causal)
+    first = "B=2, H=4 query heads, Hkv=2, T=5, D=8"
+    for fn in (values_unrepeated, keys_unrepeated):
+        assert_fails("ch07.gqa_attention", fn, first, hint="did not repeat the values",
+                     message="RuntimeError")
+    # with one KV head the unrepeated values broadcast, and the answer is right
+    assert results("ch07.gqa_attention", values_unrepeated)["MQA: H=4, one KV head"].passed
+
+
 def test_gqa_attention_on_mqa_and_mha_does_not_tell_tiling_apart():
     """With one KV head, or with one query head per KV head, tiling and grouping agree: the
     cases that catch tiling are those with 2 or more KV heads shared by 2 or more query heads."""
@@ -200,8 +236,10 @@ def test_kv_cache_bytes_mistakes():
                  "an MHA config without num_key_value_heads (it then equals "
                  "num_attention_heads)", hint="leave num_key_value_heads out",
                  message="KeyError")
-    # the message says how far off, never the answer
-    assert_fails(key, with_(factor=1), llama, message="0.5 times the expected")
+    # the message says too large or too small, never the answer nor by what factor
+    assert_fails(key, with_(factor=1), llama, message="too small")
+    assert_fails(key, with_(query_heads=True), llama, message="too large")
+    assert "times" not in results(key, with_(factor=1))[llama].message
 
 
 def test_kv_cache_bytes_equals_what_a_cache_of_that_shape_allocates():
@@ -324,3 +362,154 @@ def test_cache_questions_may_not_call_the_package():
         return {**cache_questions(**sizes),
                 "tokens_that_fit": sizes["cache_gib"] * 2 ** 30 // per_token}
     assert_banned(QUESTIONS, with_the_package, "course_attn")
+
+
+# --- two parts wrong at once: each named (mistakes are matched part by part) ----------------------
+
+def test_cache_questions_gb_for_gib_and_no_rope_key_get_both_hints():
+    a, b, c = (case.name for case in get(QUESTIONS).public_cases()[:3])
+
+    def gb_and_no_rope(**sizes):
+        per_token = 2 * sizes["layers"] * sizes["kv_heads"] * sizes["head_dim"] \
+            * sizes["bytes_per_element"]
+        return {**cache_questions(**sizes),
+                "tokens_that_fit": sizes["cache_gib"] * 10 ** 9 // per_token,
+                "mla_saving": 2 * sizes["heads"] * sizes["head_dim"] / sizes["latent_dim"]}
+    assert_fails(QUESTIONS, gb_and_no_rope, b, hint="not 10⁹")
+    assert_fails(QUESTIONS, gb_and_no_rope, c, hint="decoupled RoPE key")
+    assert results(QUESTIONS, gb_and_no_rope)[a].passed
+    exercise = get(QUESTIONS)
+    for seed in range(5):
+        hints = {judge_case(exercise, case, exercise.expected(case),
+                            Answer(value=gb_and_no_rope(**case.kwargs)), hidden=True).hint
+                 for case in hidden_cases(QUESTIONS, seed) if case.part != "kv_head"}
+        assert any("10⁹" in h for h in hints) and any("RoPE key" in h for h in hints), hints
+
+
+# --- grouped_attention (debug) ------------------------------------------------------------------
+
+GROUPED = "ch07.grouped_attention"
+NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "07_mqa_gqa.ipynb"
+
+
+def _given_namespace(capsys=None):
+    for cell in nbformat.read(NOTEBOOK, as_version=4).cells:
+        if cell.metadata.get("nbgrader", {}).get("grade_id") == "ch07-grouped_attention-given":
+            namespace = {"torch": torch, "math": math}
+            exec(cell.source, namespace)
+            return cell.source, namespace
+    raise KeyError("ch07-grouped_attention-given")
+
+
+def test_the_given_function_is_the_graders_and_its_demonstration_shows_the_tiling(capsys):
+    from course_attn.grading.ch07 import GROUPED_GIVEN
+    source, namespace = _given_namespace()
+    assert source.startswith(GROUPED_GIVEN)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 3
+    assert "[0.0, 0.0, 0.0, 0.0]" in printed[0] and "[0.0, 0.0, 0.0, 0.0]" in printed[1]
+    # with H = 4 on Hkv = 2, heads 0 and 3 read the right KV head by chance, 1 and 2 do not
+    gaps = printed[2].split("[")[1].rstrip("]").split(", ")
+    assert [float(g) > 0 for g in gaps] == [False, True, True, False]
+    # the given function reads KV head h % Hkv: a probe whose values name their KV head
+    q = torch.randn(1, 6, 2, 4)
+    k = torch.zeros(1, 3, 2, 4)
+    v = torch.arange(3.0).view(1, 3, 1, 1).expand(1, 3, 2, 1)
+    read = namespace["grouped_attention"](q, k, v)[0, :, 0, 0].tolist()
+    assert read == [h % 3 for h in range(6)]
+    assert grouped_attention(q, k, v)[0, :, 0, 0].tolist() == [h // 2 for h in range(6)]
+
+
+def test_the_given_buggy_function_is_told_what_it_still_does_wrong():
+    _, namespace = _given_namespace()
+    for case in ("B=2, H=4, Hkv=2, T=5, D=8", "H=6, Hkv=2 (groups of 3), T=4, D=4"):
+        assert_fails(GROUPED, namespace["grouped_attention"], case, hint="as if the KV heads")
+    found = results(GROUPED, namespace["grouped_attention"])
+    assert found["MQA: H=4, one KV head"].passed and found["MHA: H = Hkv = 3"].passed
+
+
+def test_grouped_attention_half_repair_is_named_by_its_error():
+    def half(q, k, v):
+        b, h, tq, d = q.shape
+        hkv = k.shape[1]
+        q = q.reshape(b, hkv, h // hkv, tq, d)
+        k, v = k.unsqueeze(1), v.unsqueeze(1)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d)
+        return (scores.softmax(dim=-1) @ v).reshape(b, h, tq, -1)
+    # groups of 3 on 2 KV heads: it raises, and the error names the mistake
+    assert_fails(GROUPED, half, "H=6, Hkv=2 (groups of 3), T=4, D=4",
+                 hint="still broadcast along the other axis", message="RuntimeError")
+    # groups of 2 on 2 KV heads: it runs, and tiles
+    assert_fails(GROUPED, half, "B=2, H=4, Hkv=2, T=5, D=8", hint="as if the KV heads")
+
+
+def test_grouped_attention_may_not_call_a_library_attention():
+    assert_banned(GROUPED, lambda q, k, v: F.scaled_dot_product_attention(q, k, v,
+                                                                         enable_gqa=True),
+                  "torch.nn.functional.scaled_dot_product_attention")
+    assert_banned(GROUPED, lambda q, k, v: course_attn.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True), "course_attn")
+
+
+# --- copy_predictions -----------------------------------------------------------------------------
+
+COPIES = "ch07.copy_predictions"
+
+
+def test_copy_predictions_agree_with_the_packages_repeat_kv():
+    """On the public sizes and hidden ones of several seeds: the package's repeat_kv shares x's
+    memory exactly where the reference says the reshape makes a view (n_rep = 1 returns x)."""
+    exercise = get(COPIES)
+    cases = exercise.public_cases() + [c for seed in range(5) for c in hidden_cases(COPIES, seed)]
+    for case in cases:
+        s = case.kwargs
+        x = torch.randn(s["batch"], s["kv_heads"], s["seq_len"], s["head_dim"])
+        repeated = course_attn.repeat_kv(x, s["n_rep"])
+        shares = repeated.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        answers = exercise.expected(case)
+        assert (answers["repeat_kv"] == "view") == shares, s
+        assert answers["new_bytes"] == (0 if shares else repeated.nbytes)
+        assert answers == copy_predictions(**s)
+
+
+def test_copy_predictions_mistakes():
+    gqa, mqa, mha = ({c.part: c.name for c in get(COPIES).public_cases()[i:i + 4]}
+                     for i in (0, 4, 8))
+
+    def predicting(**wrong):
+        return lambda **s: {**copy_predictions(**s), **{k: f(s) for k, f in wrong.items()}}
+    assert_fails(COPIES, predicting(repeat_kv=lambda s: "copy"), mqa["repeat_kv"],
+                 hint="to copy whatever the sizes")
+    assert_fails(COPIES, predicting(repeat_kv=lambda s: "copy"), mha["repeat_kv"],
+                 hint="to copy whatever the sizes")
+    assert_fails(COPIES, predicting(repeat_kv=lambda s: "view"), gqa["repeat_kv"],
+                 hint="to return a view whatever the sizes")
+    assert_fails(COPIES, predicting(expand=lambda s: "copy"), gqa["expand"],
+                 hint="expand never copies")
+    assert_fails(COPIES, predicting(repeat=lambda s: "view"), mha["repeat"],
+                 hint="always allocates")
+    every_copy = predicting(new_bytes=lambda s: 4 * s["batch"] * s["kv_heads"] * s["n_rep"]
+                            * s["seq_len"] * s["head_dim"])
+    assert_fails(COPIES, every_copy, mqa["new_bytes"], hint="a view allocates nothing")
+    assert_fails(COPIES, predicting(new_bytes=lambda s: 2 * s["batch"] * s["kv_heads"] * s["n_rep"]
+                                    * s["seq_len"] * s["head_dim"]), gqa["new_bytes"],
+                 hint="2 bytes a number")
+    assert_fails(COPIES, predicting(repeat_kv=lambda s: "no copy"), gqa["repeat_kv"],
+                 message="should be one of")
+    # two parts wrong at once: each named
+    both = predicting(repeat_kv=lambda s: "copy",
+                      new_bytes=lambda s: 4 * s["batch"] * s["kv_heads"] * s["n_rep"]
+                      * s["seq_len"] * s["head_dim"])
+    assert_fails(COPIES, both, mqa["repeat_kv"], hint="to copy whatever the sizes")
+    assert_fails(COPIES, both, mqa["new_bytes"], hint="a view allocates nothing")
+
+
+def test_copy_predictions_may_not_make_tensors():
+    def by_looking(batch, kv_heads, n_rep, seq_len, head_dim):
+        x = torch.zeros(batch, kv_heads, seq_len, head_dim)
+        y = x[:, :, None].expand(batch, kv_heads, n_rep, seq_len, head_dim).reshape(
+            batch, kv_heads * n_rep, seq_len, head_dim)
+        view = y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        return {**copy_predictions(batch, kv_heads, n_rep, seq_len, head_dim),
+                "repeat_kv": "view" if view else "copy"}
+    assert_banned(COPIES, by_looking, "torch.zeros")

@@ -143,8 +143,9 @@ def _gemma_cases():
                (randn(2, 2, 5, 16, seed=93, dtype=torch.float64, scale=2.0),
                 randn(16, seed=94, dtype=torch.float64)),
                hint="do not convert the inputs; let their dtype flow through")
-    yield Case("small x (3, 4), eps=0.1", (randn(3, 4, seed=95, scale=0.1), 0.5 * randn(4, seed=96)),
-               {"eps": 0.1}, hint="eps is added to the mean of the squares, inside the square root")
+    yield Case("small x (3, 4), eps=0.1",
+               (randn(3, 4, seed=95, scale=0.1), 0.5 * randn(4, seed=96)), {"eps": 0.1},
+               hint="eps is added to the mean of the squares, inside the square root")
 
 
 def _gemma_with(fn):
@@ -652,12 +653,13 @@ register(Exercise(
         Mistake("with the norm before RoPE the rotation comes after the gains: it turns "
                 "channel i into channel i + D/2, so q's gain on one channel of a pair can meet "
                 "k's gain on the other", _choosing("before_rope", "after")),
-        Mistake("the largest gain of q and the largest gain of k meet only if something brings "
-                "their channels together: the norm after RoPE never does, RoPE only within a "
-                "pair (i, i + D/2)", _choosing("after_rope", "largest_times_largest")),
-        Mistake("the largest gain of q and the largest gain of k meet only if something brings "
-                "their channels together: the norm after RoPE never does, RoPE only within a "
-                "pair (i, i + D/2)", _choosing("before_rope", "largest_times_largest")),
+        Mistake("with the norm after RoPE the gains meet channel by channel, g^Q_i g^K_i: the "
+                "largest gain of q and the largest of k may sit on different channels",
+                _choosing("after_rope", "largest_times_largest")),
+        Mistake("max|g^Q| · max|g^K| · sqrt(D) holds before RoPE (section 5's bound of the two "
+                "norms), but it is not reached when the two largest gains sit in different "
+                "pairs: RoPE mixes channel i with channel i + D/2 only",
+                _choosing("before_rope", "largest_times_largest")),
         Mistake("the gains multiply the scores: sqrt(D) is the bound for unit gains only",
                 _choosing("after_rope", "unit_gains")),
         Mistake("the gains multiply the scores: sqrt(D) is the bound for unit gains only",

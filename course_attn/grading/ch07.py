@@ -2,15 +2,21 @@
 
     ch07.repeat_kv         repeat_kv(x, n_rep) -> (B, Hkv·n_rep, T, D): each key/value head
                            repeated for the n_rep query heads that read it (query head h reads
-                           KV head h // n_rep), with expand and reshape
+                           KV head h // n_rep), with expand and reshape (warm-up)
     ch07.gqa_attention     gqa_attention(q, k, v, is_causal=False) -> (B, H, Tq, Dv): attention
-                           whose H query heads share Hkv key/value heads
+                           whose H query heads share Hkv key/value heads (warm-up)
+    ch07.grouped_attention grouped_attention(q, k, v) -> (B, H, Tq, Dv): debug a given GQA that
+                           groups the query heads instead of copying K and V, and groups them
+                           in the wrong order (query head h reads KV head h % Hkv)
     ch07.kv_cache_bytes    kv_cache_bytes(config, seq_len, batch_size=1, bytes_per_element=2)
                            -> int: the KV cache's size for a model's config.json
     ch07.cache_questions   cache_questions(layers, heads, kv_heads, head_dim, bytes_per_element,
                            query_head, cache_gib, latent_dim, rope_dim) -> dict: which KV head a
                            query head reads, how many tokens fit in a cache, how much MLA saves
                            (derive: compared with the formulas, on public and hidden sizes)
+    ch07.copy_predictions  copy_predictions(batch, kv_heads, n_rep, seq_len, head_dim) -> dict:
+                           predict whether expand, repeat_kv's reshape and repeat make a view or
+                           a copy for these sizes, and the bytes repeat_kv allocates
 
 References: ``course_attn.repeat_kv`` and ``course_attn.scaled_dot_product_attention(...,
 enable_gqa=True)``; the cache size 2 · layers · B · Hkv · D · T · bytes.
@@ -64,6 +70,7 @@ ALONG_TIME = "you repeated along the time axis: the result needs more heads, not
 
 register(Exercise(
     key="ch07.repeat_kv", function="repeat_kv", reference=repeat_kv_reference,
+    task="warm-up",
     ops=ELEMENTARY,
     cases=_repeat_kv_cases, compare=expect_tensor, banned=NO_REPEAT_INTERLEAVE,
     mistakes=(
@@ -138,6 +145,7 @@ def _first_kv_head_only(q, k, v, is_causal=False):
 
 register(Exercise(
     key="ch07.gqa_attention", function="gqa_attention", reference=gqa_attention_reference,
+    task="warm-up",
     ops=ELEMENTARY | SOFTMAX,
     cases=_gqa_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
@@ -157,6 +165,97 @@ register(Exercise(
                 lambda q, k, v, is_causal=False: _attend(
                     q, repeat_kv(k, q.shape[1] // k.shape[1]),
                     _tiled(v, q.shape[1] // k.shape[1]), is_causal)),
+        # Raises (the weights' H heads against v's Hkv) wherever 1 < Hkv < H: named by its error.
+        # Keys left unrepeated raise the same error, at the scores: the hint speaks of both.
+        Mistake("you did not repeat the values (or the keys): a tensor with Hkv heads met the H "
+                "query heads; the values are shared like the keys, and need the same repeat",
+                lambda q, k, v, is_causal=False: _attend(
+                    q, repeat_kv(k, q.shape[1] // k.shape[1]), v, is_causal)),
+    ),
+))
+
+
+# --- ch07.grouped_attention: debug a GQA that groups the query heads in the wrong order -----------
+# The given function (the notebook's locked cell, the same code as _grouped_given) avoids
+# repeat_kv's copies the way enable_gqa does: it folds the query heads into groups and lets the
+# shared K and V broadcast over them. But it splits the H query heads as (H / Hkv, Hkv), so query
+# head h lands in column h % Hkv and reads KV head h % Hkv: the heads are tiled, not grouped. It
+# is right for MQA (Hkv = 1) and MHA (Hkv = H), wrong for every other GQA.
+
+GROUPED_GIVEN = '''\
+def grouped_attention(q, k, v):
+    """Grouped-query attention that never copies the keys and values.
+
+    q: (B, H, Tq, D); k: (B, Hkv, Tk, D); v: (B, Hkv, Tk, Dv) -> (B, H, Tq, Dv).
+    """
+    b, h, tq, d = q.shape
+    hkv = k.shape[1]
+    q = q.reshape(b, h // hkv, hkv, tq, d)          # the query heads, in groups
+    k, v = k[:, None], v[:, None]                   # (B, 1, Hkv, Tk, ·): broadcast, no copy
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d)
+    out = scores.softmax(dim=-1) @ v                # (B, H / Hkv, Hkv, Tq, Dv)
+    return out.reshape(b, h, tq, -1)
+'''
+
+_given: dict = {"math": math, "torch": torch}
+exec(GROUPED_GIVEN, _given)
+_grouped_given = _given["grouped_attention"]
+
+
+def _grouped_half_repaired(q, k, v):
+    b, h, tq, d = q.shape
+    hkv = k.shape[1]
+    q = q.reshape(b, hkv, h // hkv, tq, d)
+    k, v = k[:, None], v[:, None]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d)
+    return (scores.softmax(dim=-1) @ v).reshape(b, h, tq, -1)
+
+
+def grouped_attention_reference(q, k, v):
+    """(B, H, Tq, D), (B, Hkv, Tk, D), (B, Hkv, Tk, Dv) -> (B, H, Tq, Dv): query head h reads KV
+    head h // (H / Hkv); no mask."""
+    return scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _grouped_cases():
+    g = torch.Generator().manual_seed(720)
+
+    def qkv(b, h, hkv, tq, tk, d, dv, dtype=torch.float32):
+        return (randn(b, h, tq, d, seed=g, dtype=dtype, scale=2.0),
+                randn(b, hkv, tk, d, seed=g, dtype=dtype, scale=2.0),
+                randn(b, hkv, tk, dv, seed=g, dtype=dtype))
+    yield Case("B=2, H=4, Hkv=2, T=5, D=8", qkv(2, 4, 2, 5, 5, 8, 8),
+               hint="query head h reads KV head h // (H / Hkv): the query heads of one group are "
+                    "neighbours")
+    yield Case("H=6, Hkv=2 (groups of 3), T=4, D=4", qkv(1, 6, 2, 4, 4, 4, 4),
+               hint="with groups of 3, query heads 0, 1, 2 read KV head 0 and 3, 4, 5 KV head 1")
+    yield Case("H=6, Hkv=3 (groups of 2), Tq=3, Tk=6, Dv=2", qkv(1, 6, 3, 3, 6, 8, 2),
+               hint="the output has the query heads' count and the values' width")
+    yield Case("MQA: H=4, one KV head", qkv(2, 4, 1, 4, 4, 8, 8),
+               hint="with one KV head every query head reads it")
+    yield Case("MHA: H = Hkv = 3", qkv(1, 3, 3, 4, 4, 4, 4),
+               hint="with Hkv = H this is ordinary multi-head attention")
+    yield Case("float64, H=8, Hkv=4", qkv(1, 8, 4, 5, 5, 4, 4, torch.float64),
+               hint="do not convert the inputs; let their dtype flow through")
+
+
+TILED_GROUPS = ("your query head h reads KV head h % Hkv, as if the KV heads were tiled: the "
+                "query heads that share a KV head are neighbours, h // (H / Hkv)")
+
+register(Exercise(
+    key="ch07.grouped_attention", function="grouped_attention",
+    reference=grouped_attention_reference,
+    task="debug",
+    ops=ELEMENTARY | SOFTMAX,
+    cases=_grouped_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
+    mistakes=(
+        Mistake(TILED_GROUPS, _grouped_given),
+        # Half repaired: the queries split as (Hkv, H / Hkv), K and V still broadcast over the
+        # first axis. Where H / Hkv = Hkv it runs and tiles (the mistake above); elsewhere it
+        # raises, and is named by its error.
+        Mistake("you split the query heads into Hkv groups of neighbours, but the keys and "
+                "values still broadcast along the other axis: each KV head's axis must line up "
+                "with its group's axis", _grouped_half_repaired),
     ),
 ))
 
@@ -191,9 +290,8 @@ def _expect_count(actual, expected, case=None):
     if number is None:
         raise AssertionError(f"your answer should be a number (an int of bytes), got "
                              f"{type(actual).__name__}")
-    if number != expected:
-        ratio = number / expected if expected else float("inf")
-        raise AssertionError(f"your answer is {ratio:.4g} times the expected number of bytes")
+    if number != expected:  # too large or too small, never by what factor (see count_questions)
+        raise AssertionError(f"your answer is too {'large' if number > expected else 'small'}")
 
 
 LLAMA3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
@@ -223,6 +321,7 @@ def _bytes_cases():
 
 register(Exercise(
     key="ch07.kv_cache_bytes", function="kv_cache_bytes", reference=kv_cache_bytes_reference,
+    task="implement",
     ops=ELEMENTARY,
     cases=_bytes_cases, compare=_expect_count, banned=("course_attn",),
     mistakes=(
@@ -360,5 +459,125 @@ register(Exercise(
         Mistake("you forgot the factor 2 of MHA: it caches a key and a value per head",
                 _answering("mla_saving", lambda s: _mla_saving(
                     s["heads"], s["head_dim"], s["latent_dim"], s["rope_dim"], factor=1))),
+    ),
+))
+
+
+# --- ch07.copy_predictions: a view or a copy? ----------------------------------------------------
+# The chapter says repeat_kv's expand is a view and its reshape copies. The reshape copies only
+# when it must: it returns a view whenever one stride can walk each merged axis, and merging the
+# KV heads' axis (stride T·D) with the copies' axis (stride 0) needs two, unless one of them has
+# size 1. So repeat_kv copies for GQA, and makes no copy for MQA (one KV head) or when n_rep = 1.
+# Tensor.repeat always allocates. The reference runs the three on a float32 tensor of the sizes
+# and compares storages.
+
+VIEW_OPTIONS = ("view", "copy")
+
+COPY_QUESTIONS = {
+    "expand": (
+        "(a) x[:, :, None].expand(B, Hkv, n_rep, T, D): a view or a copy?",
+        "expand gives the new axis a stride; think of which stride repeats the same numbers"),
+    "repeat_kv": (
+        "(b) that expanded tensor .reshape(B, Hkv·n_rep, T, D): a view or a copy?",
+        "reshape returns a view when the merged axes can be walked with one stride"),
+    "repeat": (
+        "(c) x.repeat(1, n_rep, 1, 1): a view or a copy?",
+        "Tensor.repeat's documentation says what it returns; a view needs no new memory"),
+    "new_bytes": (
+        "(d) the bytes of new memory (b) allocates, x float32",
+        "a view allocates nothing; a copy holds every number of its result"),
+}
+
+
+def _shares(result, x):
+    return result.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+def copy_predictions_reference(batch, kv_heads, n_rep, seq_len, head_dim):
+    """What torch does, run on a float32 x (batch, kv_heads, seq_len, head_dim)."""
+    x = torch.zeros(batch, kv_heads, seq_len, head_dim)
+    expanded = x[:, :, None].expand(batch, kv_heads, n_rep, seq_len, head_dim)
+    repeated = expanded.reshape(batch, kv_heads * n_rep, seq_len, head_dim)
+    tiled = x.repeat(1, n_rep, 1, 1)
+
+    def kind(result):
+        return "view" if _shares(result, x) else "copy"
+    return {"expand": kind(expanded), "repeat_kv": kind(repeated), "repeat": kind(tiled),
+            "new_bytes": 0 if _shares(repeated, x) else repeated.numel() * 4}
+
+
+def _same_copy(key, actual, expected) -> bool:
+    if key == "new_bytes":
+        number = as_number(actual)
+        return number is not None and number == expected
+    return isinstance(actual, str) and actual.strip() == expected
+
+
+def _wrong_copy(key, actual, expected) -> str:
+    if key == "new_bytes":
+        number = as_number(actual)
+        if number is None:
+            return f"your answer {key!r} should be a number, got {type(actual).__name__}"
+        return f"your {key!r} is too {'large' if number > expected else 'small'}"
+    if not (isinstance(actual, str) and actual.strip() in VIEW_OPTIONS):
+        return f"your answer {key!r} should be one of {', '.join(map(repr, VIEW_OPTIONS))}"
+    return f"your answer {key!r} is not what torch does"
+
+
+COPIES = Questions(COPY_QUESTIONS, same=_same_copy, wrong=_wrong_copy)
+
+# The chapter's sizes (H = 8 query heads on Hkv = 2, T = 5, D = 4), MQA (Falcon-like, one KV
+# head for 8 query heads) and MHA (n_rep = 1).
+PUBLIC_COPIES = (
+    dict(batch=1, kv_heads=2, n_rep=4, seq_len=5, head_dim=4),
+    dict(batch=2, kv_heads=1, n_rep=8, seq_len=6, head_dim=16),
+    dict(batch=2, kv_heads=4, n_rep=1, seq_len=3, head_dim=8),
+)
+
+
+def _copying(key, answer):
+    """A typical wrong prediction: the right answers, with ``key`` answered by
+    ``answer(sizes, right)``."""
+    def fn(batch, kv_heads, n_rep, seq_len, head_dim):
+        sizes = dict(batch=batch, kv_heads=kv_heads, n_rep=n_rep, seq_len=seq_len,
+                     head_dim=head_dim)
+        right = copy_predictions_reference(**sizes)
+        return {**right, key: answer(sizes, right)}
+    return fn
+
+
+def _result_bytes(s):
+    return 4 * s["batch"] * s["kv_heads"] * s["n_rep"] * s["seq_len"] * s["head_dim"]
+
+
+register(Exercise(
+    key="ch07.copy_predictions", function="copy_predictions",
+    reference=copy_predictions_reference,
+    task="predict",
+    ops=NONE,
+    cases=lambda: COPIES.cases(*PUBLIC_COPIES), compare=COPIES.compare,
+    # Predicted by hand: no tensor made to look at its storage.
+    banned=("course_attn", "torch.tensor", "torch.as_tensor", "torch.randn", "torch.rand",
+            "torch.zeros", "torch.ones", "torch.empty", "torch.arange", "torch.full"),
+    mistakes=(
+        Mistake("expand never copies: it gives the new axis stride 0, so every copy is the same "
+                "memory", _copying("expand", lambda s, right: "copy")),
+        Mistake("you took reshape to copy whatever the sizes: it returns a view whenever one "
+                "stride can walk each merged axis, as it can when one of the two merged axes "
+                "has size 1", _copying("repeat_kv", lambda s, right: "copy")),
+        Mistake("you took reshape to return a view whatever the sizes: merging the KV heads' "
+                "axis with the stride-0 axis of the copies needs two strides when both are "
+                "longer than 1, so reshape must copy",
+                _copying("repeat_kv", lambda s, right: "view")),
+        Mistake("Tensor.repeat always allocates new memory and copies into it, even when it "
+                "repeats once", _copying("repeat", lambda s, right: "view")),
+        Mistake("you counted the bytes of a copy where the reshape returns a view: a view "
+                "allocates nothing",
+                _copying("new_bytes", lambda s, right: _result_bytes(s))),
+        Mistake("you counted the bytes of x, not of the result: the copy holds every one of the "
+                "Hkv·n_rep heads",
+                _copying("new_bytes", lambda s, right: right["new_bytes"] // s["n_rep"])),
+        Mistake("you counted 2 bytes a number: x is float32, 4 bytes a number",
+                _copying("new_bytes", lambda s, right: right["new_bytes"] // 2)),
     ),
 ))

@@ -7,7 +7,7 @@ draws a case inside each of them on every seed, the sizes drawn at random inside
 import torch
 
 from course_attn.grading.cases import randint, randn
-from course_attn.grading.ch07 import ANSWERS
+from course_attn.grading.ch07 import ANSWERS, COPIES
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -202,3 +202,67 @@ def _(gen):
                query_head=randint(1, heads - 1, gen), cache_gib=randint(32, 192, gen),
                **_mla(gen))
     yield from ANSWERS.cases(gqa, mqa, mha)
+
+
+# --- grouped_attention: q (B, H, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv) --------------------
+# Tiled groups are right for MQA and MHA only; both GQA regimes catch them on every seed: groups
+# as many as the KV heads (H / Hkv = Hkv, where a repair that fixes the queries' split but not
+# the broadcast of K and V runs and gives the tiled answer) and groups of another size (where
+# that half-repair raises).
+
+def _group_sizes(case):
+    h, hkv = case.args[0].shape[1], case.args[1].shape[1]
+    return h, hkv, h // hkv
+
+
+@hidden("ch07.grouped_attention", regimes={
+    "GQA, groups of Hkv heads (H = Hkv²)":
+        lambda case: 1 < _group_sizes(case)[1] == _group_sizes(case)[2],
+    "GQA, groups of another size":
+        lambda case: 1 < _group_sizes(case)[1] != _group_sizes(case)[2] > 1,
+    "MQA: Hkv = 1 < H": lambda case: _group_sizes(case)[1] == 1 < _group_sizes(case)[0],
+    "MHA: Hkv = H > 1": lambda case: 1 < _group_sizes(case)[1] == _group_sizes(case)[0],
+    "Dv != D": lambda case: case.args[0].shape[3] != case.args[2].shape[3],
+    "float32": _dtype(torch.float32),
+    "float64": _dtype(torch.float64),
+})
+def _(gen):
+    def attention(b, h, hkv, tq, tk, d, dv, dtype):
+        q = randn(b, h, tq, d, seed=gen, dtype=dtype, scale=2.0)
+        k = randn(b, hkv, tk, d, seed=gen, dtype=dtype, scale=2.0)
+        return q, k, randn(b, hkv, tk, dv, seed=gen, dtype=dtype)
+
+    hkv = randint(2, 3, gen)
+    tq, tk, d = randint(2, 6, gen), randint(2, 6, gen), randint(2, 8, gen)
+    yield Case(f"H={hkv * hkv}, Hkv={hkv}, Tq={tq}, Tk={tk}, D={d}, float32",
+               attention(randint(1, 2, gen), hkv * hkv, hkv, tq, tk, d, d, torch.float32))
+    hkv, group = randint(2, 4, gen), randint(2, 3, gen)
+    group += group >= hkv                                          # 2..4, never hkv
+    t, d, dv = randint(2, 6, gen), randint(2, 8, gen), randint(1, 5, gen)
+    dv += dv >= d                                                  # never D
+    yield Case(f"H={hkv * group}, Hkv={hkv}, T={t}, D={d}, Dv={dv}, float64",
+               attention(1, hkv * group, hkv, t, t, d, dv, torch.float64))
+    h, t, d = randint(2, 6, gen), randint(2, 6, gen), randint(2, 8, gen)
+    yield Case(f"MQA: H={h}, T={t}, D={d}", attention(2, h, 1, t, t, d, d, torch.float32))
+    h, t, d = randint(2, 4, gen), randint(2, 6, gen), randint(2, 8, gen)
+    yield Case(f"MHA: H=Hkv={h}, T={t}, D={d}, float64",
+               attention(1, h, h, t, t, d, d, torch.float64))
+
+
+# --- copy_predictions: batch, kv_heads, n_rep, seq_len, head_dim ----------------------------------
+# One set of sizes in each regime on every seed: GQA (the reshape copies), MQA (it makes a view
+# of the one KV head) and MHA (n_rep = 1, a view). Small sizes: the reference makes the tensors.
+
+@hidden("ch07.copy_predictions", regimes={
+    "GQA: Hkv > 1, n_rep > 1":
+        lambda case: case.kwargs["kv_heads"] > 1 and case.kwargs["n_rep"] > 1,
+    "MQA: one KV head, n_rep > 1":
+        lambda case: case.kwargs["kv_heads"] == 1 and case.kwargs["n_rep"] > 1,
+    "MHA: n_rep = 1": lambda case: case.kwargs["n_rep"] == 1,
+})
+def _(gen):
+    def sizes(kv_heads, n_rep):
+        return dict(batch=randint(1, 4, gen), kv_heads=kv_heads, n_rep=n_rep,
+                    seq_len=randint(1, 64, gen), head_dim=8 * randint(1, 16, gen))
+    yield from COPIES.cases(sizes(randint(2, 8, gen), randint(2, 8, gen)),
+                            sizes(1, randint(2, 16, gen)), sizes(randint(2, 16, gen), 1))
