@@ -491,6 +491,24 @@ def test_window_decode_half_repairs_are_named():
                  hint="has no window")
 
 
+def test_a_buffer_indexed_by_position_raises_and_is_named():
+    """A mistake that raises: written at slot i, token W has no slot; the student's IndexError
+    is named by the mistake that raises the same one."""
+    def by_position(q, k, v, window):
+        b, h, t, d = q.shape
+        keys, values = q.new_zeros(b, h, window, d), q.new_zeros(b, h, window, v.shape[-1])
+        outs = []
+        for i in range(t):
+            keys[:, :, i] = k[:, :, i]                 # not i % window
+            values[:, :, i] = v[:, :, i]
+            n = min(i + 1, window)
+            scores = q[:, :, i:i + 1] @ keys[:, :, :n].transpose(-2, -1) / math.sqrt(d)
+            outs.append(torch.softmax(scores, dim=-1) @ values[:, :, :n])
+        return torch.cat(outs, dim=2)
+    assert_fails(DECODE, by_position, SLIDES, hint="slot i:", message="IndexError")
+    assert results(DECODE, by_position)[WIDE].passed       # the buffer never wraps there
+
+
 def test_window_decode_is_the_rolling_cache_of_the_package():
     """The repaired loop gives what decoding with the package's RollingKVCache gives."""
     g = torch.Generator().manual_seed(5)

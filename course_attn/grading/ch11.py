@@ -462,6 +462,23 @@ def _decode_wrong(*, unwritten=True, held="window"):
     return decode
 
 
+def _decode_by_position(q, k, v, window):
+    """window_decode writing token i at slot i, not i mod W, as a student writes it: once i
+    reaches W the slot does not exist, and the write raises IndexError (the message the
+    student's code raises, so that the grader names this mistake)."""
+    b, h, t, d = q.shape
+    keys = q.new_zeros(b, h, window, d)
+    values = q.new_zeros(b, h, window, v.shape[-1])
+    outs = []
+    for i in range(t):
+        keys[:, :, i] = k[:, :, i]
+        values[:, :, i] = v[:, :, i]
+        held = min(i + 1, window)
+        scores = q[:, :, i:i + 1] @ keys[:, :, :held].transpose(-2, -1) / math.sqrt(d)
+        outs.append(torch.softmax(scores, dim=-1) @ values[:, :, :held])
+    return torch.cat(outs, dim=2)
+
+
 register(Exercise(
     key="ch11.window_decode", function="window_decode", reference=window_decode_reference,
     task="debug",
@@ -477,6 +494,8 @@ register(Exercise(
         Mistake("your repaired function has no window: token i sees only the last W tokens, "
                 "the buffer's, not every token before it",
                 _decode_wrong(unwritten=False, held="all")),
+        Mistake("you write token i at slot i: the buffer has W slots, and token i goes to slot "
+                "i mod W, over the oldest token", _decode_by_position),
     ),
 ))
 
