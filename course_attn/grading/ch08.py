@@ -12,6 +12,12 @@
                           of a whole generation, with and without the cache, for a GPT of L
                           layers, width C and vocabulary V (derive: compared with the formulas,
                           on public and hidden sizes)
+    ch08.greedy_decode    greedy_decode(params, prompt, n_new) -> (n_new, V) logits: repair a
+                          given greedy loop with a cache whose decode steps rotate their token at
+                          position 0 (debug: graded on the logits, on hidden models and prompts)
+    ch08.first_divergence first_divergence(params, prompt, n_new) -> int: how many new tokens the
+                          buggy and the repaired loops agree on before the first that differs
+                          (measure: compared exactly, on hidden models and prompts)
 
 References: ``course_attn.KVCache``; ``course_attn.apply_rotary_emb`` and
 ``course_attn.scaled_dot_product_attention``; the counts from M(Tq, Tk) = Tq·a + L·2·Tq·Tk·C.
@@ -127,6 +133,7 @@ def _fill_wrong(*, at=None, step=None, whole=False, only_new=False, dtype=None, 
 
 register(Exercise(
     key="ch08.fill_cache", function="fill_cache", reference=fill_cache_reference,
+    task="warm-up",  # KVCache.update of section 2, written out: a first step, fewer points
     ops=ELEMENTARY - GROWING,
     cases=_fill_cases, compare=expect_prefixes, banned=NO_GROWING,
     mistakes=tuple(
@@ -234,7 +241,7 @@ def _step_wrong(*, q_at=None, k_at=None, rerotate=False, align="bottom_right", c
 
 register(Exercise(
     key="ch08.decode_step", function="decode_step", reference=decode_step_reference,
-    ops=ELEMENTARY | SOFTMAX,
+    task="implement", ops=ELEMENTARY | SOFTMAX,
     cases=_step_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
         Mistake("your causal mask is aligned top-left (PyTorch's is_causal): the new queries are "
@@ -361,5 +368,220 @@ register(Exercise(
                 "the first new token, so N - 1 steps follow",
                 _counting(cached=lambda m, P, N: m(P, P) + sum(m(1, t) for t in
                                                                range(P + 1, P + N + 1)))),
+    ),
+))
+
+
+# --- ch08.greedy_decode (debug): a decode loop whose RoPE positions restart at 0 ---------------
+#
+# A toy one-layer attention-only model, in float64 so that no argmax is ever decided by
+# rounding: the weights are a dict of tensors, one projection per head,
+#   embed (V, C), wq / wk / wv (H, C, D), wo (H, D, C), unembed (C, V);
+# logits = (x + Σ_h attn_h(x) wo_h) unembed, attn_h with RoPE (half-split pairs) and the causal
+# mask. The notebook gives a greedy loop with a cache (a prefill of the prompt, then one token a
+# step) whose step rotates its new tokens at positions 0 .. T_new - 1, as if each step began a
+# sequence: the prefill is right, every decode step is wrong. The student repairs it.
+
+def toy_model(seed, vocab=16, width=16, heads=2, head_dim=8):
+    """The weights of a seeded toy model (float64); ``seed`` an int or a generator. Queries and
+    keys are drawn twice the unit scale, so that attention is peaked enough to move the argmax,
+    and the heads' output as large as the residual."""
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+
+    def draw(*shape, scale):
+        return randn(*shape, seed=g, dtype=torch.float64, scale=scale)
+    c = float(width)
+    return {"embed": draw(vocab, width, scale=1.0),
+            "wq": draw(heads, width, head_dim, scale=2 / math.sqrt(c)),
+            "wk": draw(heads, width, head_dim, scale=2 / math.sqrt(c)),
+            "wv": draw(heads, width, head_dim, scale=1 / math.sqrt(c)),
+            "wo": draw(heads, head_dim, width, scale=2 / math.sqrt(heads * head_dim)),
+            "unembed": draw(width, vocab, scale=1 / math.sqrt(c))}
+
+
+def _angles(start, count, d, base=10000.0):
+    """cos, sin (count, d/2) of positions start .. start + count - 1, in float64."""
+    i = torch.arange(d // 2, dtype=torch.float64)
+    angles = torch.arange(start, start + count, dtype=torch.float64)[:, None] * base ** (-2.0 * i / d)
+    return angles.cos(), angles.sin()
+
+
+def _greedy(params, prompt, n_new, q_start, k_start):
+    """Greedy generation with a cache; the new tokens' queries are rotated from position
+    ``q_start(L, T_new, P)``, their keys from ``k_start(L, T_new, P)`` (L: tokens cached before
+    the step, P: the prompt's length) -> the (n_new, V) logits that chose each new token."""
+    heads, _, d = params["wq"].shape
+    k_cache = torch.zeros(1, heads, 0, d, dtype=params["wk"].dtype)
+    v_cache = torch.zeros(1, heads, 0, params["wv"].shape[-1], dtype=params["wv"].dtype)
+    p = prompt.shape[0]
+
+    def step(tokens):
+        nonlocal k_cache, v_cache
+        x = params["embed"][tokens]                                      # (T, C)
+        q, k, v = (torch.einsum("tc,hcd->htd", x, params[w])[None] for w in ("wq", "wk", "wv"))
+        length, t = k_cache.shape[2], tokens.shape[0]
+        k_cache = torch.cat([k_cache, apply_rotary_emb(k, *_angles(k_start(length, t, p), t, d))],
+                            dim=2)
+        v_cache = torch.cat([v_cache, v], dim=2)
+        q = apply_rotary_emb(q, *_angles(q_start(length, t, p), t, d))
+        out = scaled_dot_product_attention(q, k_cache, v_cache, is_causal=True)[0]
+        return (x + torch.einsum("htd,hdc->tc", out, params["wo"])) @ params["unembed"]
+
+    logits = [step(prompt)[-1:]]
+    for _ in range(n_new - 1):
+        logits.append(step(logits[-1].argmax(dim=-1))[-1:])
+    return torch.cat(logits)
+
+
+def _at_length(length, t, p):
+    return length
+
+
+def greedy_decode_reference(params, prompt, n_new):
+    """The repaired loop: the new tokens sit at L .. L + T_new - 1 -> (n_new, V) logits."""
+    return _greedy(params, prompt, n_new, _at_length, _at_length)
+
+
+def _decode_wrong(q_start=_at_length, k_start=_at_length):
+    def decode(params, prompt, n_new):
+        return _greedy(params, prompt, n_new, q_start, k_start)
+    return decode
+
+
+def _at_zero(length, t, p):
+    return 0
+
+
+def _at_prompt_end(length, t, p):       # every decode step at the first new token's position
+    return length if length == 0 else p
+
+
+def _after_the_write(length, t, p):      # the length read after the new keys were appended
+    return length + t
+
+
+def _public_model(seed, prompt_len, n_new, **sizes):
+    g = torch.Generator().manual_seed(seed)
+    params = toy_model(g, **sizes)
+    prompt = torch.randint(params["embed"].shape[0], (prompt_len,), generator=g)
+    return params, prompt, n_new
+
+
+def _label(params, prompt, n_new):
+    v, c = params["embed"].shape
+    h, _, d = params["wq"].shape
+    return (f"a prompt of {prompt.shape[0]}, {n_new} new token{'s' if n_new > 1 else ''}; "
+            f"V={v}, C={c}, H={h}, D={d}")
+
+
+def _decode_cases():
+    for seed, p, n, sizes, hint in (
+            (820, 5, 8, {}, "the prefill is right (the first new token is); look at where the "
+                            "decode steps put their token"),
+            (821, 1, 6, {}, "a prompt of one token: the first decode step's token sits at "
+                            "position 1"),
+            (822, 3, 10, dict(heads=1, head_dim=4, width=8),
+             "every step's new token must be rotated at its position in the whole sequence"),
+            (823, 4, 1, {}, "one new token: the prefill alone gives it")):
+        args = _public_model(seed, p, n, **sizes)
+        yield Case(_label(*args), args, hint=hint)
+
+
+register(Exercise(
+    key="ch08.greedy_decode", function="greedy_decode", reference=greedy_decode_reference,
+    task="debug", ops=ELEMENTARY | SOFTMAX,
+    cases=_decode_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
+    mistakes=(
+        Mistake("this is still the given loop's bug: each decode step rotates its new token at "
+                "position 0, as if the sequence began again; its position is the number of "
+                "tokens already cached", _decode_wrong(_at_zero, _at_zero)),
+        Mistake("the queries now sit at their positions, but the keys you append are still "
+                "rotated at 0: a cached key must be rotated where its token stands",
+                _decode_wrong(k_start=_at_zero)),
+        Mistake("the keys you append now sit at their positions, but the new queries are still "
+                "rotated at 0", _decode_wrong(q_start=_at_zero)),
+        Mistake("your new tokens sit one step too far on: the cache's length was read after the "
+                "new keys were appended; with L tokens cached the next one is at L (counting "
+                "from 0)", _decode_wrong(_after_the_write, _after_the_write)),
+        Mistake("every decode step puts its token at the same position, the prompt's length: "
+                "the position moves on by one with each token generated",
+                _decode_wrong(_at_prompt_end, _at_prompt_end)),
+    ),
+))
+
+
+# --- ch08.first_divergence (measure): where the buggy loop's text first differs ----------------
+#
+# The bug is silent: no error, and the first new token is right (the prefill is). The student
+# runs the given buggy loop and the repaired one on the same model and prompt and reports how
+# many new tokens they agree on before the first that differs (n_new if none differs). Both runs
+# are deterministic, in float64, and the hidden draws reject any model whose largest two logits
+# come within 1e-6 of each other at a step of either run (float64 rounding is ~1e-15 there), so
+# no argmax can flip between the student's arithmetic and the reference's: the count is compared
+# exactly, with no tolerance.
+
+def _tokens(params, prompt, n_new, start):
+    return _greedy(params, prompt, n_new, start, start).argmax(dim=-1)
+
+
+def _agreement(params, prompt, n_new):
+    """(leading agreements, all agreements) of the buggy and the repaired greedy tokens."""
+    same = _tokens(params, prompt, n_new, _at_zero) == _tokens(params, prompt, n_new, _at_length)
+    differ = (~same).nonzero()
+    return (int(differ[0, 0]) if differ.numel() else n_new), int(same.sum())
+
+
+def first_divergence_reference(params, prompt, n_new):
+    """How many new tokens the buggy and the repaired loops agree on before they first differ."""
+    return _agreement(params, prompt, n_new)[0]
+
+
+def smallest_gap(params, prompt, n_new):
+    """The smallest gap between the largest two logits at any step of either loop."""
+    gaps = []
+    for start in (_at_zero, _at_length):
+        top = _greedy(params, prompt, n_new, start, start).topk(2, dim=-1).values
+        gaps.append((top[:, 0] - top[:, 1]).min())
+    return float(min(gaps))
+
+
+def expect_count(actual, expected, case=None) -> None:
+    """An int, exactly ``expected``; a wrong one is told too large or too small."""
+    if isinstance(actual, torch.Tensor) and actual.numel() == 1 and not actual.is_floating_point():
+        actual = actual.item()
+    if isinstance(actual, bool) or not isinstance(actual, int):
+        raise AssertionError(f"your answer should be an int, got {type(actual).__name__}")
+    if actual != expected:
+        raise AssertionError(f"your count is {'too large' if actual > expected else 'too small'}")
+
+
+def _measure_cases():
+    for seed, p, n, hint in (
+            (830, 4, 10, "run both loops on the same model and prompt and compare the tokens "
+                         "they choose, new token by new token"),
+            (841, 2, 12, "count the new tokens before the first that differs"),
+            (837, 3, 10, "if the two loops never differ, every one of the n_new tokens agrees"),
+            (835, 6, 8, "count new tokens only, from the first one the prefill gives")):
+        args = _public_model(seed, p, n)
+        yield Case(_label(*args), args, hint=hint)
+
+
+register(Exercise(
+    key="ch08.first_divergence", function="first_divergence",
+    reference=first_divergence_reference, task="measure", ops=ELEMENTARY | SOFTMAX,
+    cases=_measure_cases, compare=expect_count, banned=NO_LIBRARY_ATTENTION,
+    mistakes=(
+        Mistake("you compared the logits: they differ from the first decode step on, but the "
+                "question is where the chosen tokens differ",
+                lambda params, prompt, n_new: min(1, n_new)),
+        Mistake("you gave the index counting from 1: count the new tokens that agree, before "
+                "the first that differs",
+                lambda params, prompt, n_new: first_divergence_reference(params, prompt, n_new) + 1),
+        Mistake("you counted from the start of the prompt: count the new tokens only",
+                lambda params, prompt, n_new: first_divergence_reference(params, prompt, n_new)
+                + prompt.shape[0]),
+        Mistake("you counted every new token on which the two loops agree: count only those "
+                "before the first that differs", lambda params, prompt, n_new:
+                _agreement(params, prompt, n_new)[1]),
     ),
 ))

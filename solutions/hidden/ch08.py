@@ -4,7 +4,8 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint
-from course_attn.grading.ch08 import SAVINGS, _chunks, _step_case
+from course_attn.grading.ch08 import (SAVINGS, _agreement, _chunks, _label, _step_case,
+                                      first_divergence_reference, smallest_gap, toy_model)
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -135,3 +136,60 @@ def _(gen):
     single = dict(L=randint(1, 48, gen), C=64 * randint(1, 24, gen), V=randint(16, 200_000, gen),
                   T=randint(1, 4096, gen), P=randint(1, 2048, gen), N=1)
     yield from SAVINGS.cases(short, long, single)
+
+
+# ch08.greedy_decode and ch08.first_divergence: toy models of drawn sizes (even D), drawn again
+# while the largest two logits of a step of the buggy or the repaired loop come within 1e-6
+# (float64 rounding cannot decide an argmax then). At least 4 new tokens in every case, so a
+# decode step at the prompt's length is wrong by the second step; a prompt of one token only in
+# one case, where rotating every token one position too far is a shift of the whole sequence
+# (RoPE sees only differences) and goes unseen; one head and several heads.
+
+def _toy(gen, prompt_len, n_new, heads):
+    while True:
+        params = toy_model(gen, vocab=randint(10, 32, gen), width=randint(8, 24, gen),
+                           heads=heads, head_dim=2 * randint(2, 4, gen))
+        prompt = torch.randint(params["embed"].shape[0], (prompt_len,), generator=gen)
+        if smallest_gap(params, prompt, n_new) > 1e-6:
+            return params, prompt, n_new
+
+
+def _decode_label(args):
+    return _label(*args)
+
+
+@hidden("ch08.greedy_decode", regimes={
+    "a prompt of one token (P = 1)": lambda case: case.args[1].shape[0] == 1,
+    "a longer prompt (P > 1)": lambda case: case.args[1].shape[0] > 1,
+    "one head (H = 1)": lambda case: case.args[0]["wq"].shape[0] == 1,
+    "several heads (H > 1)": lambda case: case.args[0]["wq"].shape[0] > 1,
+})
+def _(gen):
+    for prompt_len, heads in ((1, randint(1, 3, gen)), (randint(2, 8, gen), 1),
+                              (randint(2, 8, gen), randint(2, 3, gen))):
+        args = _toy(gen, prompt_len, randint(4, 14, gen), heads)
+        yield Case(_decode_label(args), args)
+
+
+def _first(case):
+    return first_divergence_reference(*case.args)
+
+
+@hidden("ch08.first_divergence", regimes={
+    "the first decode step already differs (answer 1)": lambda case: _first(case) == 1,
+    "agree for a while, then differ (1 < answer < n_new)":
+        lambda case: 1 < _first(case) < case.args[2],
+    "never differ in n_new tokens (answer n_new)": lambda case: _first(case) == case.args[2],
+})
+def _(gen):
+    # what each draw must show: the first step differs and the tokens agree again later (so
+    # counting every agreement is wrong); agree, then differ; agree all the way
+    wanted = (lambda first, every, n: first == 1 and every > 1,
+              lambda first, every, n: 1 < first < n,
+              lambda first, every, n: first == n)
+    for inside in wanted:
+        while True:
+            args = _toy(gen, randint(1, 8, gen), randint(4, 12, gen), randint(1, 3, gen))
+            if inside(*_agreement(*args), args[2]):
+                break
+        yield Case(_decode_label(args), args)
