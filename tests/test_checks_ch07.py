@@ -443,12 +443,21 @@ def test_grouped_attention_half_repair_is_named_by_its_error():
     assert_fails(GROUPED, half, "B=2, H=4, Hkv=2, T=5, D=8", hint="as if the KV heads")
 
 
-def test_grouped_attention_may_not_call_a_library_attention():
+def test_grouped_attention_may_not_call_a_library_attention_nor_copy_by_repeat():
     assert_banned(GROUPED, lambda q, k, v: F.scaled_dot_product_attention(q, k, v,
                                                                          enable_gqa=True),
                   "torch.nn.functional.scaled_dot_product_attention")
     assert_banned(GROUPED, lambda q, k, v: course_attn.scaled_dot_product_attention(
         q, k, v, enable_gqa=True), "course_attn")
+
+    def copying(repeat):
+        def fn(q, k, v):
+            n = q.shape[1] // k.shape[1]
+            return attend(q, repeat(k, n), repeat(v, n))
+        return fn
+    assert_banned(GROUPED, copying(lambda x, n: x.repeat(1, n, 1, 1)), "torch.Tensor.repeat")
+    assert_banned(GROUPED, copying(lambda x, n: x.repeat_interleave(n, dim=1)),
+                  "torch.Tensor.repeat_interleave")
 
 
 # --- copy_predictions -----------------------------------------------------------------------------

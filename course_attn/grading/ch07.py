@@ -247,7 +247,9 @@ register(Exercise(
     reference=grouped_attention_reference,
     task="debug",
     ops=ELEMENTARY | SOFTMAX,
-    cases=_grouped_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
+    cases=_grouped_cases, compare=expect_tensor,
+    # the point of the given function is to broadcast the shared heads, not to copy them
+    banned=NO_LIBRARY_ATTENTION + NO_REPEAT_INTERLEAVE[1:] + ("torch.Tensor.repeat",),
     mistakes=(
         Mistake(TILED_GROUPS, _grouped_given),
         # Half repaired: the queries split as (Hkv, H / Hkv), K and V still broadcast over the
