@@ -410,3 +410,248 @@ def test_decode_savings_may_not_call_the_package():
         course_attn.causal_mask(2)
         return decode_savings(**sizes)
     assert_banned(SAVINGS, with_the_package, "course_attn")
+
+
+# --- greedy_decode (debug) and first_divergence (measure) ----------------------------------------
+
+DECODE_LOOP, DIVERGENCE = "ch08.greedy_decode", "ch08.first_divergence"
+NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "08_kv_cache.ipynb"
+BUGGY_ROPE = """    cos, sin = rope_rows(len(tokens), q.shape[-1])
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+"""
+
+
+def _cell(grade_id):
+    import nbformat
+    from course_attn.grading.generate import grade_id as id_of
+    cells = [c for c in nbformat.read(NOTEBOOK, as_version=4).cells if id_of(c) == grade_id]
+    assert len(cells) == 1, grade_id
+    return cells[0].source
+
+
+def given_loop(rope=None, loop=None):
+    """The notebook's given cell, run as it stands, or with the two lines that rotate the new
+    tokens replaced by ``rope`` (a student's repair), or the loop's decode step by ``loop``:
+    its greedy_decode_buggy (and the namespace it lives in)."""
+    source = _cell("ch08-greedy_decode-given")
+    if rope is not None:
+        assert BUGGY_ROPE in source
+        source = source.replace(BUGGY_ROPE, rope)
+    if loop is not None:
+        source = source.replace("def attend_step(params, tokens, cache):",
+                                "def attend_step(params, tokens, cache, at=None):")
+        source = source.replace("rows.append(attend_step(params, next_token, cache)[-1])", loop)
+    namespace = {"__name__": "__notebook__"}
+    exec(_cell("ch08-setup"), namespace)
+    exec(source, namespace)
+    return namespace["greedy_decode_buggy"]
+
+
+REPAIRED = """    start = cache["k"].shape[1]                       # tokens cached before this step
+    cos, sin = rope_rows(start + len(tokens), q.shape[-1])
+    q, k = rotate(q, cos[start:], sin[start:]), rotate(k, cos[start:], sin[start:])
+"""
+PROMPT_OF_5 = "a prompt of 5, 8 new tokens; V=16, C=16, H=2, D=8"
+
+
+def test_the_given_loop_is_the_bug_and_the_one_line_repair_passes():
+    assert_fails(DECODE_LOOP, given_loop(), PROMPT_OF_5, hint="still the given loop's bug")
+    for cases in [None] + [hidden_cases(DECODE_LOOP, seed) for seed in range(5)]:
+        judgement = run_exercise(get(DECODE_LOOP), given_loop(REPAIRED), cases)
+        assert judgement.passed, [(r.name, r.message) for r in judgement.results if not r.passed]
+
+
+def test_the_given_loops_first_token_is_right_and_the_repair_agrees_with_no_cache():
+    """The symptom the notebook shows: the prefill is right, the decode steps are not; the
+    repaired loop writes the text of the model run without a cache."""
+    from course_attn.grading.ch08 import _public_model, greedy_decode_reference
+    params, prompt, n = _public_model(820, 5, 8)
+    buggy, right = given_loop()(params, prompt, n), greedy_decode_reference(params, prompt, n)
+    torch.testing.assert_close(buggy[0], right[0])
+    assert not torch.allclose(buggy[1], right[1], atol=1e-3)
+    namespace = {"__name__": "__notebook__"}
+    exec(_cell("ch08-setup"), namespace)
+    exec(_cell("ch08-greedy_decode-given"), namespace)
+    sequence = prompt
+    for _ in range(n):
+        last = namespace["attend_step"](params, sequence, namespace["empty_cache"](params))[-1]
+        sequence = torch.cat([sequence, last.argmax().reshape(1)])
+    assert torch.equal(sequence[len(prompt):], right.argmax(dim=-1))
+
+
+def test_greedy_decode_half_repairs_are_named():
+    keys_at_zero = """    start = cache["k"].shape[1]
+    cos, sin = rope_rows(start + len(tokens), q.shape[-1])
+    q, k = rotate(q, cos[start:], sin[start:]), rotate(k, cos[:len(tokens)], sin[:len(tokens)])
+"""
+    queries_at_zero = """    start = cache["k"].shape[1]
+    cos, sin = rope_rows(start + len(tokens), q.shape[-1])
+    q, k = rotate(q, cos[:len(tokens)], sin[:len(tokens)]), rotate(k, cos[start:], sin[start:])
+"""
+    one_too_far = """    start = cache["k"].shape[1] + len(tokens)     # the length once these are written
+    cos, sin = rope_rows(start + len(tokens), q.shape[-1])
+    q, k = rotate(q, cos[start:], sin[start:]), rotate(k, cos[start:], sin[start:])
+"""
+    assert_fails(DECODE_LOOP, given_loop(keys_at_zero), PROMPT_OF_5, hint="keys you append")
+    assert_fails(DECODE_LOOP, given_loop(queries_at_zero), PROMPT_OF_5,
+                 hint="new queries are still")
+    assert_fails(DECODE_LOOP, given_loop(one_too_far), PROMPT_OF_5, hint="one step too far")
+    # with a prompt of one token, one position too far everywhere is a shift of the whole
+    # sequence, which RoPE cannot see: that case passes, the others do not
+    found = results(DECODE_LOOP, given_loop(one_too_far))
+    assert found["a prompt of 1, 6 new tokens; V=16, C=16, H=2, D=8"].passed
+    # every decode step at the prompt's length (the position passed by the loop)
+    at_prompt_end = given_loop(
+        rope="""    start = cache["k"].shape[1] if at is None else at
+    cos, sin = rope_rows(start + len(tokens), q.shape[-1])
+    q, k = rotate(q, cos[start:], sin[start:]), rotate(k, cos[start:], sin[start:])
+""", loop="rows.append(attend_step(params, next_token, cache, at=len(prompt))[-1])")
+    assert_fails(DECODE_LOOP, at_prompt_end, PROMPT_OF_5, hint="the same position")
+
+
+def test_a_loop_that_caches_unrotated_keys_and_rotates_them_all_each_step_passes():
+    """Another decomposition, equal in exact arithmetic: the grader's float64 tolerance takes it."""
+    namespace = {"__name__": "__notebook__"}
+    exec(_cell("ch08-setup"), namespace)
+    exec(_cell("ch08-greedy_decode-given"), namespace)
+    rotate_, rope_rows = namespace["rotate"], namespace["rope_rows"]
+
+    def greedy_decode(params, prompt, n_new):
+        heads, _, d = params["wq"].shape
+        raw_k = torch.zeros(heads, 0, d, dtype=torch.float64)
+        values = torch.zeros(heads, 0, params["wv"].shape[-1], dtype=torch.float64)
+        tokens, rows = prompt, []
+        for _ in range(n_new):
+            x = params["embed"][tokens]
+            q, k, v = (torch.einsum("tc,hcd->htd", x, params[w]) for w in ("wq", "wk", "wv"))
+            raw_k, values = torch.cat([raw_k, k], 1), torch.cat([values, v], 1)
+            n = raw_k.shape[1]
+            cos, sin = rope_rows(n, d)
+            keys = rotate_(raw_k, cos, sin)
+            query = rotate_(q[:, -1:], cos[-1:], sin[-1:])
+            weights = torch.softmax(query @ keys.transpose(1, 2) / math.sqrt(d), dim=-1)
+            out = torch.einsum("htl,hld,hdc->tc", weights, values, params["wo"])
+            rows.append(((x[-1:] + out) @ params["unembed"])[0])
+            tokens = rows[-1].argmax().reshape(1)
+        return torch.stack(rows)
+    for cases in [None] + [hidden_cases(DECODE_LOOP, seed) for seed in range(3)]:
+        judgement = run_exercise(get(DECODE_LOOP), greedy_decode, cases)
+        assert judgement.passed, [(r.name, r.message) for r in judgement.results if not r.passed]
+
+
+def test_greedy_decode_may_not_call_the_package_or_a_library_attention():
+    repaired = given_loop(REPAIRED)
+
+    def with_package_rope(params, prompt, n_new):
+        course_attn.apply_rotary_emb(torch.zeros(1, 1, 1, 2), torch.ones(1, 1), torch.zeros(1, 1))
+        return repaired(params, prompt, n_new)
+    assert_banned(DECODE_LOOP, with_package_rope, "course_attn")
+
+    def with_sdpa(params, prompt, n_new):
+        F.scaled_dot_product_attention(*(torch.zeros(1, 1, 2, 2) for _ in range(3)))
+        return repaired(params, prompt, n_new)
+    assert_banned(DECODE_LOOP, with_sdpa, "scaled_dot_product_attention")
+
+
+def divergence(compare="tokens", shift=0):
+    """first_divergence as the notebook's solution writes it; ``compare="logits"`` compares the
+    logits, ``"count"`` counts every agreement, ``shift`` adds to the index."""
+    buggy_loop, repaired_loop = given_loop(), given_loop(REPAIRED)
+
+    def first_divergence(params, prompt, n_new):
+        buggy, repaired = buggy_loop(params, prompt, n_new), repaired_loop(params, prompt, n_new)
+        if compare == "logits":
+            differ = ((buggy - repaired).abs().amax(dim=-1) > 1e-9).nonzero()
+        else:
+            same = buggy.argmax(dim=-1) == repaired.argmax(dim=-1)
+            if compare == "count":
+                return int(same.sum())
+            differ = (~same).nonzero()
+        first = int(differ[0, 0]) if len(differ) else n_new
+        return first + (len(prompt) if shift == "prompt" else shift)
+    return first_divergence
+
+
+def test_first_divergence_passes_and_its_mistakes_are_named():
+    for cases in [None] + [hidden_cases(DIVERGENCE, seed) for seed in range(5)]:
+        judgement = run_exercise(get(DIVERGENCE), divergence(), cases)
+        assert judgement.passed, [(r.name, r.message) for r in judgement.results if not r.passed]
+    first = "a prompt of 4, 10 new tokens; V=16, C=16, H=2, D=8"
+    later = "a prompt of 2, 12 new tokens; V=16, C=16, H=2, D=8"
+    assert_fails(DIVERGENCE, divergence("logits"), later, hint="compared the logits",
+                 message="too small")
+    assert_fails(DIVERGENCE, divergence(shift=1), first, hint="counting from 1",
+                 message="too large")
+    assert_fails(DIVERGENCE, divergence(shift="prompt"), first, hint="start of the prompt")
+    assert_fails(DIVERGENCE, divergence("count"), first, hint="every new token on which")
+
+
+def test_first_divergence_is_a_stable_measurement():
+    """The reference is deterministic (no draw inside it, float64), whatever the global seed;
+    every hidden draw keeps the largest two logits of every step of both loops more than 1e-6
+    apart, so the student's float64 arithmetic, another order of the same sums, picks the same
+    tokens: the notebook's solution gives the reference's count on every hidden case, and the
+    count is compared exactly."""
+    from course_attn.grading.ch08 import first_divergence_reference, smallest_gap
+    student = divergence()
+    for seed in range(20):
+        for case in hidden_cases(DIVERGENCE, seed):
+            assert smallest_gap(*case.args) > 1e-6
+            answers = set()
+            for global_seed in (0, 1):
+                torch.manual_seed(global_seed)
+                answers.add(first_divergence_reference(*case.args))
+            assert answers == {student(*case.args)}
+
+
+def test_first_divergence_may_not_call_the_package():
+    def with_the_reference(params, prompt, n_new):
+        from course_attn.grading.ch08 import first_divergence_reference
+        return first_divergence_reference(params, prompt, n_new)
+    assert_banned(DIVERGENCE, with_the_reference, "course_attn")
+
+
+# --- check() and the grader agree ---------------------------------------------------------------
+
+def test_check_and_the_grader_refuse_a_fill_cache_that_grows_by_torch_cat(tmp_path, capsys):
+    """The issue: check() printed '6/6 checks passed' for a fill_cache built with torch.cat,
+    which the grader then refused. Both use the same guard now: check() says first that the
+    call is refused (the passed cases come after, 'apart from that'), and the grader, on a copy
+    of the solution notebook with that answer, gives 0 points for the same reason."""
+    import nbformat
+    from course_attn.grading import ExerciseFailed, check
+    from course_attn.grading import grader
+    from course_attn.grading.generate import grade_id as id_of
+    from course_attn.grading.sandbox import unavailable
+
+    source = '''def fill_cache(k_chunks, v_chunks, max_seq_len):
+    out, k, v = [], None, None
+    for k_new, v_new in zip(k_chunks, v_chunks):
+        k = k_new if k is None else torch.cat([k, k_new], dim=2)
+        v = v_new if v is None else torch.cat([v, v_new], dim=2)
+        out.append((k, v))
+    return out
+'''
+    namespace = {"torch": torch}
+    exec(source, namespace)
+    with pytest.raises(ExerciseFailed, match="calls torch.cat"):
+        check(FILL, namespace["fill_cache"])
+    printed = capsys.readouterr().out
+    assert printed.startswith("ch08.fill_cache: failed: it calls torch.cat"), printed
+    assert "apart from that, 6/6 checks passed" in printed
+    in_process = run_exercise(get(FILL), namespace["fill_cache"]).reason()
+
+    if unavailable():
+        pytest.skip(f"the grader's sandbox: {unavailable()}")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    for cell in nb.cells:
+        if id_of(cell) == "ch08-fill_cache-solution":
+            cell.source = source
+    path = tmp_path / NOTEBOOK.name
+    nbformat.write(nb, path)
+    grade = grader.grade_notebook(path, solutions_dir=NOTEBOOK.parent, hidden_seed=0)
+    scores = {e.grade_id: e for e in grade.exercises}
+    assert scores["ch08-fill_cache"].points == 0
+    assert scores["ch08-fill_cache"].reason == in_process
+    assert "calls torch.cat, which this exercise does not allow" in in_process
+    assert all(e.passed for gid, e in scores.items() if gid != "ch08-fill_cache"), scores
