@@ -7,10 +7,14 @@ The wrong solutions below are written as a student would write them; each test n
 it must fail and a fragment of the hint it must get.
 """
 
+import importlib.util
 import itertools
+import math
+import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +26,28 @@ from course_attn.grading.ch09 import (COUNT_QUESTIONS, COUNT_SIZES, MORE_COUNT_S
                                       empty_state, split_states, tile_update_reference)
 from course_attn.grading.exercise import hidden_cases, load_hidden
 
+
+def _import_triton_language_for_its_interpreter():
+    """Without CUDA, the Triton exercise's kernel runs under Triton's interpreter, which needs
+    triton.language imported with TRITON_INTERPRET=1 (its library functions, tl.zeros and the
+    like, are interpreted ones from then on). The first torch operation under a dispatch mode,
+    such as the grader's guard, imports it through torch._native otherwise; so import it now,
+    at collection, with the variable set only meanwhile (other test files see it as it was)."""
+    if importlib.util.find_spec("triton") is None or torch.cuda.is_available() or \
+            "triton.language" in sys.modules:
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+_import_triton_language_for_its_interpreter()
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from check_support import assert_banned, assert_fails, results  # noqa: E402
 
@@ -432,9 +458,13 @@ def test_flash_counts_mistakes():
     assert_fails(COUNTS, answering(tiled_elements=4 * T * D + T), d, hint="read K and V once")
     assert_fails(COUNTS, answering(tiled_elements=right["tiled_elements"] - T), d,
                  hint="log-sum-exp")
-    for case in (a2, b2, d2):
+    for case in (b2, d2):
         assert_fails(COUNTS, lambda **size: flash_counts(**size, whole_blocks=True), case,
                      hint="whole blocks only", message="too small")
+    # (a) alone, part by part: 15 whole blocks give 15·16/2 tiles, which is also 16 blocks
+    # without their diagonal, a mistake named before it
+    assert_fails(COUNTS, lambda **size: flash_counts(**size, whole_blocks=True), a2,
+                 message="too small")
     for case in cases[:4]:                       # the chapter's sizes: T and W whole blocks
         assert results(COUNTS, lambda **size: flash_counts(**size, whole_blocks=True))[case].passed
     assert_fails(COUNTS, lambda **size: [1, 2, 3, 4], a, message="should return a dict")
@@ -475,3 +505,266 @@ def test_split_states_are_attention_over_each_side():
     out_a, lse_a, out_b, lse_b = split_states(1, 1, 3, 6, 4, 4, 2, 0, dtype=torch.float64)
     assert out_a.shape == (1, 1, 3, 4) and lse_a.shape == (1, 1, 3)
     assert torch.isfinite(lse_a).all() and torch.isfinite(lse_b).all()
+
+
+# --- the notebook's new exercises, from its own cells ----------------------------------------------
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "09_flash_attention.ipynb"
+CHUNKED, EXPONENT, TRITON = ("ch09.chunked_attention", "ch09.memory_exponent",
+                             "ch09.triton_forward")
+
+
+def notebook_module(tmp_path_factory, *grade_ids):
+    """The notebook's cells ``grade_ids`` (the setup cell first), written to a file and imported
+    as a module: a Triton kernel compiled for a GPU needs its source in a file, and none of
+    this is the package's code, as a student's is not."""
+    import importlib.util
+
+    import nbformat
+    cells = {c.metadata.get("nbgrader", {}).get("grade_id"): c.source
+             for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code"}
+    folder = tmp_path_factory.mktemp("notebook")
+    name = "ch09_" + "_".join(g.rsplit("-", 1)[-1] for g in grade_ids[:1]) + folder.name
+    path = folder / f"{name}.py"
+    path.write_text("\n\n".join([cells["ch09-setup"]] + [cells[g] for g in grade_ids]))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory):
+    return notebook_module(tmp_path_factory, "ch09-chunked_attention-given",
+                           "ch09-chunked_attention-solution")
+
+
+PADDED = "a padded query: every key of row 2 masked with PAD, as a padding token's row"
+
+
+def test_the_given_chunked_attention_is_the_graders_and_fails_on_padded_rows_only(chunked):
+    from course_attn.grading.ch09 import chunked_attention_given
+    for case in get(CHUNKED).public_cases():
+        out = chunked.chunked_attention_given(*case.args)
+        assert torch.equal(out.nan_to_num(7.0),
+                           chunked_attention_given(*case.args).nan_to_num(7.0)), case.name
+    found = results(CHUNKED, chunked.chunked_attention_given)
+    failed = {name for name, r in found.items() if not r.passed}
+    assert failed == {PADDED, "a causal mask and two padded queries, chunks of 2"}
+    assert "running max starts above every one of its scores" in found[PADDED].hint
+    for seed in range(10):  # a hidden case with a padded row on every seed
+        judgement = run_exercise(get(CHUNKED), chunked.chunked_attention_given,
+                                 hidden_cases(CHUNKED, seed))
+        assert not judgement.passed, seed
+
+
+def test_chunked_attention_half_repairs_are_named(chunked):
+    def hidden_nan(q, k, v, bias, chunk):     # the NaN turned into zeros
+        return torch.nan_to_num(chunked.chunked_attention_given(q, k, v, bias, chunk))
+
+    def large_negative(q, k, v, bias, chunk):  # a "large" negative start, above finfo.min
+        scale = q.shape[-1] ** -0.5
+        top = torch.full((q.shape[0],), -1e9)
+        mass, numer = torch.zeros(q.shape[0]), torch.zeros(q.shape[0], v.shape[-1])
+        for start in range(0, k.shape[0], chunk):
+            s = (q @ k[start:start + chunk].T) * scale + bias[:, start:start + chunk]
+            new_top = torch.maximum(top, s.max(dim=-1).values)
+            w = torch.exp(s - new_top[:, None])
+            shrink = torch.exp(top - new_top)
+            mass, numer = mass * shrink + w.sum(-1), numer * shrink[:, None] + w @ v[start:start
+                                                                                  + chunk]
+            top = new_top
+        return numer / mass[:, None]
+    assert_fails(CHUNKED, hidden_nan, PADDED, hint="your padded rows give zeros")
+    assert_fails(CHUNKED, large_negative, PADDED, hint="running max starts above")
+
+
+def test_chunked_attention_may_not_call_a_softmax_or_the_package(chunked):
+    def with_softmax(q, k, v, bias, chunk):
+        return torch.softmax(q @ k.T / q.shape[-1] ** 0.5 + bias, dim=-1) @ v
+    assert_banned(CHUNKED, with_softmax, "softmax")
+
+    def with_sdpa(q, k, v, bias, chunk):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    assert_banned(CHUNKED, with_sdpa, "scaled_dot_product_attention")
+
+
+# --- memory_exponent -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    return notebook_module(tmp_path_factory, "ch09-memory_exponent-given",
+                           "ch09-memory_exponent-solution")
+
+
+def test_the_given_attentions_are_the_graders(measured):
+    from course_attn.grading import ch09
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(100, 16, generator=g) for _ in range(3))
+    for name in ("naive", "tiled"):
+        assert torch.equal(measured.ATTENTIONS[name](q, k, v), ch09.ATTENTIONS[name](q, k, v))
+        torch.testing.assert_close(measured.ATTENTIONS[name](q, k, v), course_attn.
+                                   scaled_dot_product_attention(q[None, None], k[None, None], v[None, None])[0, 0])
+
+
+def test_the_measured_exponent_is_stable_and_separates_naive_from_tiled():
+    """The reference measures the same bytes on every run (the peak does not depend on timing or
+    on the values), and its tolerance is far below the gap between the two attentions."""
+    from course_attn.grading.ch09 import _exponent_tolerance, memory_exponent_reference
+    for case in [c for seed in range(3) for c in hidden_cases(EXPONENT, seed)][:4]:
+        name, lengths, dim = case.args
+        first = memory_exponent_reference(*case.args)
+        assert memory_exponent_reference(*case.args) == first
+        expected = (1.6, 2.05) if name == "naive" else (0.95, 1.05)
+        assert expected[0] <= first <= expected[1], (case.name, first)
+        assert _exponent_tolerance(name, tuple(lengths), dim) < 0.3
+
+
+def test_memory_exponent_mistakes(measured):
+    attentions = measured.ATTENTIONS
+
+    def total_allocated(name, lengths, dim):
+        totals = []
+        for t in lengths:
+            q, k, v = (torch.randn(t, dim) for _ in range(3))
+            with measured.profile(activities=[measured.ProfilerActivity.CPU],
+                                  profile_memory=True) as prof:
+                attentions[name](q, k, v)
+            totals.append(sum(e.nbytes() for e in prof.profiler.kineto_results.events()
+                              if e.name() == "[memory]" and e.nbytes() > 0))
+        x = [math.log(t) for t in lengths]
+        y = [math.log(b) for b in totals]
+        return float(np.polyfit(x, y, 1)[0])
+    assert_fails(EXPONENT, total_allocated, "tiled, lengths (128, 256, 512), dim 16",
+                 hint="added up every allocation", message="too large")
+
+    def against_t(name, lengths, dim):
+        with_log = measured.memory_exponent(name, lengths, dim)   # a slope in log-log, undone
+        return with_log * math.log(lengths[-1] / lengths[0]) / (lengths[-1] - lengths[0])
+    assert_fails(EXPONENT, against_t, "naive, lengths (128, 256, 512), dim 16",
+                 message="too small")
+
+
+def test_memory_exponent_counting_the_inputs_passes(measured):
+    def peak_with_inputs(name, t, dim):  # q, k, v made inside the profiled region
+        with measured.profile(activities=[measured.ProfilerActivity.CPU],
+                              profile_memory=True) as prof:
+            q, k, v = (torch.randn(t, dim) for _ in range(3))
+            measured.ATTENTIONS[name](q, k, v)
+        held = peak = 0
+        for e in sorted((e for e in prof.profiler.kineto_results.events()
+                         if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+            held += e.nbytes()
+            peak = max(peak, held)
+        return peak
+
+    def with_inputs(name, lengths, dim):
+        peaks = [peak_with_inputs(name, t, dim) for t in lengths]
+        return float(np.polyfit(np.log(lengths), np.log(peaks), 1)[0])
+    judgement = run_exercise(get(EXPONENT), with_inputs)
+    assert judgement.passed, [(r.name, r.message) for r in judgement.results]
+    assert run_exercise(get(EXPONENT), measured.memory_exponent).passed
+
+
+def test_memory_exponent_may_not_call_the_benchmark(measured):
+    from course_attn.bench import peak_memory_bytes
+
+    def with_bench(name, lengths, dim):
+        peaks = [peak_memory_bytes(lambda: measured.ATTENTIONS[name](
+            *(torch.randn(t, dim) for _ in range(3))), "cpu") for t in lengths]
+        return float(np.polyfit(np.log(lengths), np.log(peaks), 1)[0])
+    assert_banned(EXPONENT, with_bench, "course_attn.bench")
+
+
+# --- triton_forward ------------------------------------------------------------------------------
+
+NO_TRITON = importlib.util.find_spec("triton") is None
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    """The notebook's kernel and launcher; without CUDA, under Triton's interpreter, switched on
+    while this module's tests run (the setup cell sets it before importing triton; the kernel
+    is an interpreted one from its decoration on)."""
+    if NO_TRITON:
+        pytest.skip("triton is not installed (pip install triton, on Linux)")
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    if not torch.cuda.is_available() and not isinstance(tl.zeros, InterpretedFunction):
+        pytest.skip("triton.language was imported in this process before TRITON_INTERPRET=1 "
+                    "was set: run this file on its own")
+    before = os.environ.get("TRITON_INTERPRET")
+    module = notebook_module(tmp_path_factory, "ch09-triton_forward-solution")
+    yield module
+    if before is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = before
+
+
+def test_the_kernel_passes_public_and_hidden_cases_with_the_watch_on(kernel):
+    for cases in (None, hidden_cases(TRITON, 0), hidden_cases(TRITON, 1)):
+        judgement = run_exercise(get(TRITON), kernel.triton_forward, cases)
+        assert judgement.passed, (judgement.banned, [(r.name, r.message)
+                                                     for r in judgement.results if not r.passed])
+
+
+def wrong_kernel(kernel, tmp_path_factory, old, new):
+    """The notebook's kernel with ``old`` replaced by ``new`` in its source, as a student's
+    mistake, and its launcher."""
+    import nbformat
+    source = next(c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells
+                  if c.metadata.get("nbgrader", {}).get("grade_id") ==
+                  "ch09-triton_forward-solution")
+    assert old in source, old
+    folder = tmp_path_factory.mktemp("wrong")
+    path = folder / f"wrong_{folder.name}.py"
+    setup = "import math\nimport torch\nimport triton\nimport triton.language as tl\n"
+    path.write_text(setup + source.replace(old, new))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.triton_forward
+
+
+@pytest.mark.parametrize("old, new, case, hint", [
+    ("acc = acc * alpha[:, None] + tl.dot(p, v)", "acc = acc + tl.dot(p, v)",
+     "Tq = 16, Tk = 64, D = 16: scores that grow from tile to tile", "rescale the accumulator"),
+    ("l = l * alpha + tl.sum(p, axis=1)", "l = l + tl.sum(p, axis=1)",
+     "Tq = 16, Tk = 64, D = 16: scores that grow from tile to tile", "rescale the running sum"),
+    ("        s = tl.where(cols[None, :] < TK, s, float(\"-inf\"))  # padding keys weigh nothing\n",
+     "", "Tq = 20, Tk = 40, D = 32: partial last blocks of queries and of keys", "padding"),
+    ("m = tl.full((BLOCK,), float(\"-inf\"), tl.float32)", "m = tl.zeros((BLOCK,), tl.float32)",
+     "Tq = 16, Tk = 32, D = 16: a query whose scores are all below -100", "starts at 0"),
+    ("tl.dot(q, tl.trans(k)) * scale", "tl.dot(q, tl.trans(k))",
+     "Tq = Tk = 16, D = 16: one tile", "1/sqrt(D)"),
+])
+def test_triton_forward_mistakes(kernel, tmp_path_factory, old, new, case, hint):
+    assert_fails(TRITON, wrong_kernel(kernel, tmp_path_factory, old, new), case, hint=hint)
+
+
+def test_triton_forward_may_not_compute_outside_the_kernel(kernel):
+    def in_torch(q, k, v):
+        s = q @ k.T / math.sqrt(q.shape[1])
+        e = torch.exp(s - s.amax(-1, keepdim=True))
+        return (e / e.sum(-1, keepdim=True)) @ v
+    judgement = run_exercise(get(TRITON), in_torch)
+    assert judgement.banned and "aten.mm" in judgement.reason()
+
+    def with_sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+    assert_banned(TRITON, with_sdpa, "scaled_dot_product_attention")
+
+    def in_numpy(q, k, v):
+        s = q.numpy() @ k.numpy().T / math.sqrt(q.shape[1])
+        e = np.exp(s - s.max(-1, keepdims=True))
+        return torch.from_numpy((e / e.sum(-1, keepdims=True)) @ v.numpy())
+    assert_banned(TRITON, in_numpy, "torch.Tensor.numpy")
+
+
+def test_triton_forward_may_not_call_the_packages_kernels(kernel):
+    from course_attn import triton_flash
+
+    def with_the_package(q, k, v):
+        return triton_flash.triton_attention(q[None, None], k[None, None], v[None, None])[0, 0]
+    assert_banned(TRITON, with_the_package, "course_attn.triton_flash")
