@@ -558,3 +558,65 @@ def test_recall_accuracy_may_not_call_the_package():
         course_attn.causal_mask(2)
         return recall_accuracy(*args)
     assert_banned(RECALL, with_the_package, "course_attn")
+
+
+# --- recall_predictions (predict) ------------------------------------------------------------------
+
+TRENDS_KEY = "ch10.recall_predictions"
+
+
+def recall_predictions(n_pairs, few, many, *, unit_rule=None, elu="stays far below 1"):
+    """The notebook's solution; ``unit_rule`` and ``elu`` make it a typical mistake."""
+    unit = "stays near 1" if few >= 2 * n_pairs else "rises toward 1"
+    return {"unit": unit_rule or unit, "elu": elu}
+
+
+def test_recall_predictions_solution_passes_public_and_hidden_cases():
+    for cases in [None] + [hidden_cases(TRENDS_KEY, seed) for seed in range(10)]:
+        assert run_exercise(get(TRENDS_KEY), recall_predictions, cases).passed
+
+
+def test_recall_predictions_mistakes_are_named_part_by_part():
+    crowded = "(a) random unit keys: the accuracy as D' grows from `few` to `many` " \
+              "(n_pairs=32, few=8, many=256)"
+    roomy = "(a) random unit keys: the accuracy as D' grows from `few` to `many` " \
+            "(n_pairs=16, few=40, many=128)"
+    elu = "(b) elu features: the accuracy as D' grows from `few` to `many` " \
+          "(n_pairs=32, few=8, many=256)"
+    assert_fails(TRENDS_KEY, lambda **a: recall_predictions(**a, unit_rule="stays far below 1"),
+                 crowded, hint="more features always help")
+    assert_fails(TRENDS_KEY, lambda **a: recall_predictions(**a, unit_rule="rises toward 1"),
+                 roomy, hint="nearly orthogonal from the start")
+    assert_fails(TRENDS_KEY, lambda **a: recall_predictions(**a, unit_rule="stays near 1"),
+                 crowded, hint="cannot be nearly orthogonal")
+    assert_fails(TRENDS_KEY, lambda **a: recall_predictions(**a, elu="rises toward 1"), elu,
+                 hint="not random unit keys")
+    assert_fails(TRENDS_KEY, lambda **a: recall_predictions(**a, elu="falls"), elu,
+                 hint="never add crosstalk")
+    # a wrong unit part leaves the elu part right, and the other way round
+    found = results(TRENDS_KEY, lambda **a: recall_predictions(**a, elu="rises toward 1"))
+    assert all(r.passed for name, r in found.items() if name.startswith("(a)"))
+    assert_fails(TRENDS_KEY, lambda **a: {"unit": "up", "elu": "stays far below 1"}, crowded,
+                 message="not one of the options")
+
+
+def test_recall_predictions_is_what_the_measurement_shows():
+    """The reference reads the trend off recall_accuracy's own measurements: the unit keys'
+    accuracy is below 0.9 at few <= N/4 and near 1 from 2N, elu features stay below 0.5."""
+    measure = get(RECALL).reference
+    for seed in range(3):
+        for case in hidden_cases(TRENDS_KEY, seed):
+            n, few, many = (case.kwargs[k] for k in ("n_pairs", "few", "many"))
+            if case.part == "unit":
+                ends = measure(n, few, "unit", 0), measure(n, many, "unit", 0)
+                assert ends[1] >= 0.98 and (ends[0] >= 0.98 if few >= 2 * n else ends[0] < 0.9)
+            else:
+                assert max(measure(n, few, "elu", 0), measure(n, many, "elu", 0)) < 0.5
+
+
+def test_recall_predictions_may_not_run_tensors():
+    def by_experiment(n_pairs, few, many):
+        recall_accuracy(n_pairs, few, "unit", 0)
+        return recall_predictions(n_pairs, few, many)
+    judgement = run_exercise(get(TRENDS_KEY), by_experiment)
+    assert judgement.banned and not judgement.passed

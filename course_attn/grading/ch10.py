@@ -34,7 +34,7 @@ import math
 import torch
 
 from ..linear import EPS, LinearAttentionState, elu_features
-from .cases import as_number, count_questions, expect_tensor, expect_tensors, randn
+from .cases import Questions, as_number, count_questions, expect_tensor, expect_tensors, randn
 from .exercise import Case, Exercise, Mistake, register
 from .operations import ELEMENTARY, ELU, NONE, NO_LIBRARY_ATTENTION, SOFTMAX
 
@@ -469,18 +469,19 @@ RECALL_VALUES, RECALL_MEMORIES = 64, 256
 RECALL_KINDS = ("unit", "elu")
 
 
-def _recall(n_pairs, features, kind, seed, *, unit=True, feature_map=True):
+def _recall(n_pairs, features, kind, seed, *, unit=True, feature_map=True,
+            memories=RECALL_MEMORIES):
     """The accuracy of each memory (float64, (memories,)); ``unit=False`` leaves the unit keys
     as drawn, ``feature_map=False`` the elu keys without their feature map (typical mistakes)."""
     if kind not in RECALL_KINDS:
         raise ValueError(f"kind must be one of {RECALL_KINDS}, got {kind!r}")
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(RECALL_MEMORIES, n_pairs, features, generator=g, dtype=torch.float64)
+    x = torch.randn(memories, n_pairs, features, generator=g, dtype=torch.float64)
     if kind == "unit":
         keys = x / x.norm(dim=-1, keepdim=True) if unit else x
     else:
         keys = elu_features(x) if feature_map else x
-    values = torch.randint(RECALL_VALUES, (RECALL_MEMORIES, n_pairs), generator=g)
+    values = torch.randint(RECALL_VALUES, (memories, n_pairs), generator=g)
     onehot = torch.nn.functional.one_hot(values, RECALL_VALUES).to(keys.dtype)
     read = keys @ (keys.transpose(-2, -1) @ onehot)         # (memories, N, values)
     return (read.argmax(-1) == values).to(torch.float64).mean(-1)
@@ -566,5 +567,112 @@ register(Exercise(
                 lambda *args: 1 - recall_accuracy_reference(*args)),
         Mistake("your accuracy is a percentage: return a fraction between 0 and 1",
                 lambda *args: 100 * recall_accuracy_reference(*args)),
+    ),
+))
+
+
+# --- ch10.recall_predictions: predict the trend before measuring it -----------------------------
+
+# What the accuracy of exercise recall_accuracy does as the features grow from `few` to `many`,
+# for N pairs: one of these, for unit keys and for elu features. "falls" is a distractor (more
+# features never add crosstalk).
+TREND_OPTIONS = ("rises toward 1", "stays near 1", "stays far below 1", "falls")
+
+TREND_QUESTIONS = {
+    "unit": ("(a) random unit keys: the accuracy as D' grows from `few` to `many`",
+             "random unit keys in D' dimensions have crosstalk about sqrt((N - 1) / D'): "
+             "compare D' with N at both ends"),
+    "elu": ("(b) elu features: the accuracy as D' grows from `few` to `many`",
+            "elu(x) + 1 is positive in every coordinate: can two such feature vectors be "
+            "nearly orthogonal, however many features they have?"),
+}
+
+PUBLIC_TRENDS = (dict(n_pairs=32, few=8, many=256), dict(n_pairs=16, few=40, many=128))
+
+
+def _trend(few_acc, many_acc):
+    """The option that a measured pair of accuracies shows, or ValueError between the
+    regimes (the hidden sizes stay inside them)."""
+    if few_acc >= 0.98 and many_acc >= 0.98:
+        return "stays near 1"
+    if many_acc >= 0.98 and few_acc < 0.9:
+        return "rises toward 1"
+    if few_acc < 0.5 and many_acc < 0.5:
+        return "stays far below 1"
+    if many_acc < few_acc - 0.1:
+        return "falls"
+    raise ValueError(f"no clear trend from {few_acc:.3f} to {many_acc:.3f}")
+
+
+_TREND_ACCURACY: dict = {}
+
+
+def _trend_accuracy(n_pairs, features, kind):
+    """recall_accuracy's experiment with 64 memories (seed 0), cached: enough to read a trend
+    whose ends differ by 0.1 or more (one memory's spread is under 0.1, so 64 memories' mean
+    is within about 0.01)."""
+    key = (n_pairs, features, kind)
+    if key not in _TREND_ACCURACY:
+        _TREND_ACCURACY[key] = _recall(n_pairs, features, kind, 0, memories=64).mean().item()
+    return _TREND_ACCURACY[key]
+
+
+def recall_predictions_reference(n_pairs, few, many):
+    """Measured, with recall_accuracy's experiment, at D' = few and D' = many, and read off as
+    one of TREND_OPTIONS for each kind of key."""
+    return {kind: _trend(_trend_accuracy(n_pairs, few, kind), _trend_accuracy(n_pairs, many, kind))
+            for kind in RECALL_KINDS}
+
+
+def _same_trend(key, actual, expected) -> bool:
+    return isinstance(actual, str) and actual.strip() == expected
+
+
+def _wrong_trend(key, actual, expected) -> str:
+    if not (isinstance(actual, str) and actual.strip() in TREND_OPTIONS):
+        shown = repr(actual) if len(repr(actual)) <= 40 else repr(actual)[:37] + "..."
+        return (f"your answer {key!r} is {shown}, which is not one of the options "
+                f"{', '.join(map(repr, TREND_OPTIONS))}")
+    return f"your answer {key!r} is not what the experiment shows"
+
+
+TRENDS = Questions(TREND_QUESTIONS, same=_same_trend, wrong=_wrong_trend)
+
+
+def _predicting(**wrong):
+    """A typical wrong prediction: the right answers, with each key of ``wrong`` replaced by
+    ``wrong[key](n_pairs, few, many)``."""
+    def fn(n_pairs, few, many):
+        return {**recall_predictions_reference(n_pairs, few, many),
+                **{key: rule(n_pairs, few, many) for key, rule in wrong.items()}}
+    return fn
+
+
+register(Exercise(
+    key="ch10.recall_predictions", function="recall_predictions",
+    reference=recall_predictions_reference, task="predict",
+    ops=NONE,
+    cases=lambda: TRENDS.cases(*PUBLIC_TRENDS), compare=TRENDS.compare,
+    # Worked out by hand, from N and D': no tensor, and no call of the package or of one's own
+    # recall_accuracy (which would run tensors).
+    banned=("course_attn", "torch.tensor", "torch.randn", "torch.zeros", "torch.ones"),
+    mistakes=(
+        Mistake("for unit keys, more features always help: with D' much smaller than N the "
+                "crosstalk is large, and it falls as D' grows past N",
+                _predicting(unit=lambda *_: "stays far below 1")),
+        Mistake("with D' already several times N, random unit keys are nearly orthogonal from "
+                "the start: there is little left to gain",
+                _predicting(unit=lambda *_: "rises toward 1")),
+        Mistake("with D' much smaller than N, unit keys cannot be nearly orthogonal: the "
+                "accuracy starts well below 1",
+                _predicting(unit=lambda *_: "stays near 1")),
+        Mistake("elu features are not random unit keys: every coordinate is positive, so "
+                "every stored pair adds a positive score to every read, however wide D' is",
+                _predicting(elu=lambda n, few, many: "rises toward 1" if few < 2 * n
+                            else "stays near 1")),
+        Mistake("more features never add crosstalk: the accuracy does not fall as D' grows",
+                _predicting(unit=lambda *_: "falls")),
+        Mistake("more features never add crosstalk: the accuracy does not fall as D' grows",
+                _predicting(elu=lambda *_: "falls")),
     ),
 ))

@@ -4,7 +4,7 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint, randn
-from course_attn.grading.ch10 import COSTS, chunk_case, sequence_case, step_case
+from course_attn.grading.ch10 import COSTS, TRENDS, chunk_case, sequence_case, step_case
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -192,3 +192,29 @@ def _(gen):
     yield Case(f"unit keys, N={n} pairs in D'={d} features", (n, d, "unit", seed()))
     n, d = randint(8, 48, gen), randint(8, 96, gen)
     yield Case(f"elu features, N={n} pairs in D'={d} features", (n, d, "elu", seed()))
+
+
+# ch10.recall_predictions: N from 16 to 48 pairs (elu features recall well under half of them
+# at any width), and one set of sizes in each regime of the unit keys, on every seed:
+# 1. crowded, then roomy: few <= N/4 (2 at least), many from 2N to 8N: the accuracy rises
+#    toward 1 (about 0.8 at N/4, 1 from 2N);
+# 2. roomy from the start: few from 2N to 4N, many from few + N to 8N: it stays near 1.
+def _trend_sizes(rule):
+    """A regime of recall_predictions: ``rule`` of (n_pairs, few, many)."""
+    return lambda case: bool(rule(case.kwargs["n_pairs"], case.kwargs["few"],
+                                  case.kwargs["many"]))
+
+
+@hidden("ch10.recall_predictions", regimes={
+    "unit keys crowded, then roomy (few <= N/4, many >= 2N)":
+        _trend_sizes(lambda n, few, many: few <= n // 4 and many >= 2 * n),
+    "unit keys roomy from the start (few >= 2N)":
+        _trend_sizes(lambda n, few, many: few >= 2 * n),
+})
+def _(gen):
+    n = randint(16, 48, gen)
+    sizes = [dict(n_pairs=n, few=randint(2, n // 4, gen), many=randint(2 * n, 8 * n, gen))]
+    n = randint(16, 48, gen)
+    few = randint(2 * n, 4 * n, gen)
+    sizes.append(dict(n_pairs=n, few=few, many=randint(few + n, 8 * n, gen)))
+    yield from TRENDS.cases(*sizes)
