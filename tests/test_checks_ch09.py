@@ -26,28 +26,6 @@ from course_attn.grading.ch09 import (COUNT_QUESTIONS, COUNT_SIZES, MORE_COUNT_S
                                       empty_state, split_states, tile_update_reference)
 from course_attn.grading.exercise import hidden_cases, load_hidden
 
-
-def _import_triton_language_for_its_interpreter():
-    """Without CUDA, the Triton exercise's kernel runs under Triton's interpreter, which needs
-    triton.language imported with TRITON_INTERPRET=1 (its library functions, tl.zeros and the
-    like, are interpreted ones from then on). The first torch operation under a dispatch mode,
-    such as the grader's guard, imports it through torch._native otherwise; so import it now,
-    at collection, with the variable set only meanwhile (other test files see it as it was)."""
-    if importlib.util.find_spec("triton") is None or torch.cuda.is_available() or \
-            "triton.language" in sys.modules:
-        return
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language  # noqa: F401
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-
-
-_import_triton_language_for_its_interpreter()
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from check_support import assert_banned, assert_fails, results  # noqa: E402
 

@@ -594,6 +594,39 @@ register(Exercise(
 
 # --- ch09.triton_forward: the flash forward as a Triton kernel -----------------------------------
 
+def import_triton_for_its_interpreter() -> None:
+    """Without CUDA, a student's kernel runs under Triton's interpreter, which works only if
+    ``triton`` (and with it ``triton.language``, whose library functions such as ``tl.zeros``
+    are then interpreted ones) was first imported with ``TRITON_INTERPRET=1``. The notebook's
+    setup cell sets it before importing triton; but in a process that imported torch._dynamo
+    first (the first operation under a torch dispatch mode, such as the guard's, does, and
+    torch._dynamo imports triton), the interpreter fails with "Cannot call @triton.jit'd outside
+    of the scope of a kernel". The tests import this module before anything runs, so it
+    imports triton here, with the variable set only meanwhile (a test file that reads it at
+    collection sees it as it was). Nothing happens where CUDA is present, where triton is
+    missing, or where it is imported already."""
+    import importlib.util
+    import os
+    import sys
+    if "triton" in sys.modules or importlib.util.find_spec("triton") is None or \
+            torch.cuda.is_available():
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except Exception:  # a broken install: the exercise's own import reports it
+        pass
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+import_triton_for_its_interpreter()
+
+
 # The launcher may allocate, copy and rearrange tensors (and Triton's interpreter copies them to
 # the host and back with copy_ and set_), but no arithmetic: every score, exponential and product
 # is computed in the kernel. Under the interpreter the kernel's arithmetic runs in NumPy, which no
