@@ -52,10 +52,48 @@ def rope_predictions(head_dim, base, m, n, candidates):
             "score": math.sin(m - n), "same_score": same[0]}
 
 
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def rotary_given(x, positions, base=10000.0):
+    """The notebook's given function, bug included (its cell ch05-rotary-given)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    freqs = torch.outer(positions.to(torch.float64), inv_freq)
+    emb = freqs.repeat_interleave(2, dim=-1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def rotary(x, positions, base=10000.0):
+    d = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    freqs = torch.outer(positions.to(torch.float64), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+REF, NORM, ZERO, RELATIVE = ("matches the reference", "norm preserved",
+                             "position 0 is identity", "relative property")
+
+
+def rope_test_catches(head_dim, T, shift):
+    moves, pairs = T >= 2, head_dim >= 4
+    return {"minus_theta": [REF] if moves else [],
+            "interleaved": [REF] if moves and pairs else [],
+            "mixed_layout": ([REF, NORM] if moves else []) + [RELATIVE] if pairs else [],
+            "off_by_one": [REF, ZERO],
+            "slow_frequencies": [REF] if moves and pairs else []}
+
+
 @pytest.mark.parametrize("key, fn", [
     ("ch05.rope_angles", rope_angles), ("ch05.apply_rope", apply_rope),
     ("ch05.pairing_permutation", pairing_permutation),
-    ("ch05.rope_predictions", rope_predictions)])
+    ("ch05.rope_predictions", rope_predictions), ("ch05.rotary", rotary),
+    ("ch05.rope_test_catches", rope_test_catches)])
 def test_the_notebooks_solutions_pass_with_the_watch_on(key, fn):
     for cases in [None] + [hidden_cases(key, seed) or None for seed in range(5)]:
         judgement = run_exercise(get(key), fn, cases)
@@ -355,3 +393,121 @@ def test_rope_predictions_are_worked_out_not_computed():
         q = torch.tensor([1.0, 0.0])
         return {**rope_predictions(**size), "score": float(q[0])}
     assert_banned(PREDICTIONS_KEY, computed, "torch.tensor")
+
+
+# --- rotary (debug) ----------------------------------------------------------------------------
+
+def test_the_given_rotary_is_the_declared_bug_and_is_not_a_rotation():
+    key, first = "ch05.rotary", "B=1, H=2, T=6, D=8, positions 0..5"
+    assert_fails(key, rotary_given, first, hint="still turn by different angles")
+    found = results(key, rotary_given)
+    assert found["D=2: one pair, the bug cannot show"].passed
+    assert found["T=1 at position 0: unchanged"].passed
+    x = torch.randn(1, 1, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert not torch.allclose(rotary_given(x, torch.arange(5)).norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(rotary(x, torch.arange(5)).norm(dim=-1), x.norm(dim=-1))
+    cos, sin = course_attn.RotaryEmbedding(8)(torch.arange(5))
+    torch.testing.assert_close(rotary(x, torch.arange(5)),
+                               course_attn.apply_rotary_emb(x, cos.double(), sin.double()))
+
+
+def test_rotary_wrong_repairs():
+    key, first = "ch05.rotary", "B=1, H=2, T=6, D=8, positions 0..5"
+
+    def interleaved(x, positions, base=10000.0):      # made rotate_half match repeat_interleave
+        d = x.shape[-1]
+        freqs = torch.outer(positions.double(),
+                            base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d))
+        emb = freqs.repeat_interleave(2, dim=-1)
+        pairs = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+        return x * emb.cos().to(x.dtype) + pairs * emb.sin().to(x.dtype)
+    assert_fails(key, interleaved, first, hint="rotation now, but of neighbouring channels")
+
+    def minus_theta(x, positions, base=10000.0):      # rotate_half's signs swapped
+        d = x.shape[-1]
+        freqs = torch.outer(positions.double(),
+                            base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * emb.cos().to(x.dtype) + torch.cat([x2, -x1], dim=-1) * emb.sin().to(x.dtype)
+    assert_fails(key, minus_theta, first, hint="clockwise")
+
+    def by_index(x, positions, base=10000.0):
+        return rotary(x, torch.arange(x.shape[-2]), base)
+    assert_fails(key, by_index, "positions 100..104 (as a KV cache passes them), D=16",
+                 hint="use the positions you are given (a KV cache")
+    assert results(key, by_index)[first].passed
+
+
+def test_rotary_may_not_call_the_package():
+    def packaged(x, positions, base=10000.0):
+        cos, sin = course_attn.RotaryEmbedding(x.shape[-1], base=base)(positions)
+        return course_attn.apply_rotary_emb(x, cos, sin)
+    assert_banned("ch05.rotary", packaged, "course_attn")
+
+
+# --- rope_test_catches (predict) ---------------------------------------------------------------
+
+def test_the_catches_reference_is_the_reasoning_on_many_sizes():
+    """The reference runs the four tests on the five bugs; the reasoning of the solution gives
+    the same sets on the public sizes, the hidden ones of several seeds and a grid."""
+    exercise = get("ch05.rope_test_catches")
+    cases = exercise.public_cases() + [c for seed in range(5)
+                                       for c in hidden_cases("ch05.rope_test_catches", seed)]
+    sizes = {tuple(sorted(c.kwargs.items())) for c in cases}
+    sizes |= {(("T", t), ("head_dim", d), ("shift", s))
+              for d in (2, 4, 6, 64) for t in (1, 2, 7) for s in (1, 5)}
+    for size in sizes:
+        expected = exercise.reference(**dict(size))
+        got = rope_test_catches(**dict(size))
+        assert {k: set(v) for k, v in expected.items()} == {k: set(v) for k, v in got.items()}, \
+            size
+
+
+def test_rope_test_catches_mistakes():
+    key = "ch05.rope_test_catches"
+    wide, pair, one = " (head_dim=64, T=10, shift=3)", " (head_dim=2, T=6, shift=5)", \
+        " (head_dim=16, T=1, shift=4)"
+
+    def believing(**wrong):
+        return lambda head_dim, T, shift: {**rope_test_catches(head_dim, T, shift), **{
+            bug: answer(head_dim, T, shift) for bug, answer in wrong.items()}}
+    assert_fails(key, believing(minus_theta=lambda d, t, s: [REF, RELATIVE]),
+                 "(a) turns by -m·θᵢ (nanochat's sign)" + wide, hint="cannot tell the sign")
+    assert_fails(key, believing(off_by_one=lambda d, t, s: [REF, ZERO, RELATIVE]),
+                 "(d) positions counted from 1" + wide, hint="shifts every position")
+    assert_fails(key, believing(slow_frequencies=lambda d, t, s: [REF, RELATIVE]),
+                 "(e) θᵢ = base^(-i/D), without the 2" + wide, hint="any frequencies")
+    assert_fails(key, believing(mixed_layout=lambda d, t, s: [REF, RELATIVE]),
+                 "(c) frequencies laid out (θ₀, θ₀, θ₁, θ₁, ...) with rotate_half" + wide,
+                 hint="changes the norm")
+    assert_fails(key, believing(interleaved=lambda d, t, s: [REF, ZERO]),
+                 "(b) pairs neighbouring channels (2i, 2i + 1)" + wide,
+                 hint="at position 0 every angle is 0")
+    # forgetting what D = 2 and T = 1 do
+    assert_fails(key, believing(interleaved=lambda d, t, s: [REF] if t > 1 else []),
+                 "(b) pairs neighbouring channels (2i, 2i + 1)" + pair, hint="with D = 2")
+    assert_fails(key, believing(minus_theta=lambda d, t, s: [REF]),
+                 "(a) turns by -m·θᵢ (nanochat's sign)" + one, hint="with T = 1")
+    # not an option, not a list
+    assert_fails(key, believing(minus_theta=lambda d, t, s: ["reference"]),
+                 "(a) turns by -m·θᵢ (nanochat's sign)" + wide, message="not one of the tests")
+    assert_fails(key, believing(minus_theta=lambda d, t, s: REF),
+                 "(a) turns by -m·θᵢ (nanochat's sign)" + wide, message="list of test names")
+    # order and spaces do not matter
+    assert results(key, believing(mixed_layout=lambda d, t, s: [
+        " relative property", NORM, REF] if d >= 4 and t > 1 else rope_test_catches(d, t, s)[
+        "mixed_layout"]))["(c) frequencies laid out (θ₀, θ₀, θ₁, θ₁, ...) with rotate_half"
+                          + wide].passed
+
+
+def test_rope_test_catches_is_thought_not_run():
+    def packaged(head_dim, T, shift):     # the package's frequencies, to see which pairs differ
+        theta = course_attn.rope.rope_frequencies(head_dim)
+        return {**rope_test_catches(head_dim, T, shift), "minus_theta": [REF] * len(theta)}
+    assert_banned("ch05.rope_test_catches", packaged, "course_attn")
+
+    def measured(head_dim, T, shift):
+        q = torch.randn(1, 1, T, head_dim)
+        return {**rope_test_catches(head_dim, T, shift), "minus_theta": [REF] * bool(q.numel())}
+    assert_banned("ch05.rope_test_catches", measured, "torch.randn")

@@ -1,14 +1,20 @@
 """Exercises of Chapter 4, multi-head attention.
 
-    ch04.split_heads           split_heads(x (B, T, C), n_heads) -> (B, H, T, D), D = C / H;
-                               head h gets channels h·D .. (h+1)·D - 1
-    ch04.merge_heads           merge_heads(x (B, H, T, D)) -> (B, T, H·D); undoes split_heads
-    ch04.multi_head_attention  multi_head_attention(x, w_q, w_k, w_v, w_o, n_heads, causal)
-                               -> (B, T, C): self-attention with H heads; every weight is
-                               (C, C) in nn.Linear's (out, in) convention, q = x @ w_q.T
-    ch04.mha_cost              mha_cost(C, H, T) -> dict: parameters, multiply-adds and score
-                               entries of an H-head layer of width C on T tokens, against one
-                               head of full width (derive)
+    ch04.split_heads           (warm-up) split_heads(x (B, T, C), n_heads) -> (B, H, T, D),
+                               D = C / H; head h gets channels h·D .. (h+1)·D - 1
+    ch04.merge_heads           (warm-up) merge_heads(x (B, H, T, D)) -> (B, T, H·D); undoes
+                               split_heads
+    ch04.multi_head_attention  (warm-up) multi_head_attention(x, w_q, w_k, w_v, w_o, n_heads,
+                               causal) -> (B, T, C): self-attention with H heads; every weight
+                               is (C, C) in nn.Linear's (out, in) convention, q = x @ w_q.T
+    ch04.causal_self_attention (debug) causal_self_attention(x, w_qkv (3C, C), w_o, n_heads)
+                               -> (B, T, C): the repair of the notebook's given layer (fused
+                               qkv, heads last, einsum), whose merge leaks the future
+    ch04.leak_pattern          (measure) leak_pattern(T, H, D, seed) -> bool (T, T): which
+                               token s moves which output t of that given, leaky layer
+    ch04.mha_cost              (derive) mha_cost(C, H, T) -> dict: parameters, multiply-adds
+                               and score entries of an H-head layer of width C on T tokens,
+                               against one head of full width
 
 References: ``course_attn.split_heads`` and ``course_attn.merge_heads``; the multi-head
 forward from them and ``course_attn.scaled_dot_product_attention``; the costs counted by

@@ -9,13 +9,22 @@
                             half_split(x[..., p]) == interleaved(x)[..., p]
     ch05.rope_predictions   rope_predictions(head_dim, base, m, n, candidates) -> dict: three
                             things to work out by hand about RoPE, for the sizes and positions
-                            given: two numbers, and a choice among SAME_SCORE_OPTIONS (derive:
-                            compared with what the package computes)
+                            given: two numbers, and a choice among SAME_SCORE_OPTIONS
+                            (predict: compared with what the package computes)
+    ch05.rotary             (debug) rotary(x (B, H, T, D), positions (T,), base) -> x turned,
+                            half-split pairs: the repair of the notebook's given rotate_half
+                            RoPE, whose angles are laid out for neighbouring pairs
+    ch05.rope_test_catches  (predict) rope_test_catches(head_dim, T, shift) -> dict: for each
+                            of five buggy RoPEs, the list of the chapter's four tests (named
+                            options, TEST_OPTIONS) that it fails
+
+rope_angles, apply_rope and pairing_permutation are warm-ups (the chapter shows them).
 
 References: ``course_attn.rope_frequencies`` and ``course_attn.apply_rotary_emb``; the
 predictions computed with them.
 """
 
+import functools
 import math
 
 import torch
@@ -71,6 +80,7 @@ def _angles_cases():
 
 register(Exercise(
     key="ch05.rope_angles", function="rope_angles", reference=rope_angles_reference,
+    task="warm-up",   # the θ and angle lines of chapter 5's cell 10
     ops=ELEMENTARY,
     cases=_angles_cases, compare=expect_close_tensor(1e-5, 1e-6), banned=("course_attn",),
     mistakes=(
@@ -137,6 +147,7 @@ def _rope_cases():
 
 register(Exercise(
     key="ch05.apply_rope", function="apply_rope", reference=apply_rope_reference,
+    task="warm-up",   # chapter 5's rope_half_split (cell 10) at positions 0 .. T-1
     ops=ELEMENTARY,
     cases=_rope_cases, compare=expect_close_tensor(1e-5, 1e-5), banned=("course_attn",),
     mistakes=(
@@ -180,6 +191,7 @@ def _perm_cases():
 
 register(Exercise(
     key="ch05.pairing_permutation", function="pairing_permutation",
+    task="warm-up",   # chapter 5's cell 18 shows p
     ops=ELEMENTARY,
     reference=pairing_permutation_reference, cases=_perm_cases, compare=expect_tensor,
     banned=("course_attn",),
@@ -334,5 +346,234 @@ register(Exercise(
                 "alone",
                 _predicting(same_score=lambda d, base, m, n, candidates: _letter(
                     candidates, m, n, lambda m2, n2: m2 == m and _other_difference(m, n, m2, n2)))),
+    ),
+))
+
+
+# --- ch05.rotary: repair a rotary embedding whose two layouts disagree (debug) ------------------
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def mixed_layout_rotary(x, positions, base=10000.0):
+    """The function the notebook gives (its cell ``ch05-rotary-given``), bug included: written
+    as Hugging Face's Llama writes it (``rotate_half``, cos and sin of the full width D), but
+    with the frequencies laid out (θ₀, θ₀, θ₁, θ₁, ...), the interleaved layout, while
+    ``rotate_half`` pairs channel i with i + D/2: the two channels of a pair turn by
+    different angles, which is no rotation."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64,
+                                           device=x.device) / d)            # (D/2,)
+    freqs = torch.outer(positions.to(torch.float64), inv_freq)               # (T, D/2)
+    emb = freqs.repeat_interleave(2, dim=-1)                                 # (T, D)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+def rotary_reference(x, positions, base=10000.0):
+    """x (B, H, T, D), positions (T,) -> x with pair (i, i + D/2) of the token at index t
+    turned by positions[t]·θᵢ: the package's RoPE."""
+    return _rotate(x, _angles(positions, x.shape[-1], base))
+
+
+def _rotary_with(*, interleaved=False, sign=1.0, own_positions=False):
+    def fn(x, positions, base=10000.0):
+        if own_positions:
+            positions = torch.arange(x.shape[-2], device=x.device)
+        return _rotate(x, _angles(positions, x.shape[-1], base), interleaved=interleaved,
+                       sign=sign)
+    return fn
+
+
+def _rotary_cases():
+    yield Case("B=1, H=2, T=6, D=8, positions 0..5",
+               (randn(1, 2, 6, 8, seed=560), torch.arange(6)),
+               hint="pair i is (x[..., i], x[..., i + D/2]), and both of its channels turn by "
+                    "the same angle m·θᵢ")
+    yield Case("positions 100..104 (as a KV cache passes them), D=16",
+               (randn(2, 1, 5, 16, seed=561), torch.arange(100, 105)),
+               hint="use the positions you are given")
+    yield Case("positions [7, 0, 31], D=4, base=500000",
+               (randn(1, 1, 3, 4, seed=562), torch.tensor([7, 0, 31])), {"base": 500000.0},
+               hint="use the base you were given; the positions need not be in order")
+    yield Case("D=2: one pair, the bug cannot show", (randn(1, 2, 5, 2, seed=563),
+                                                      torch.arange(5)),
+               hint="with one pair, every layout pairs channel 0 with channel 1")
+    yield Case("T=1 at position 0: unchanged", (randn(2, 2, 1, 8, seed=564), torch.tensor([0])),
+               hint="at position 0 every angle is 0: the token is unchanged")
+    yield Case("float64, T=9, D=32, positions 0..8",
+               (randn(1, 2, 9, 32, seed=565, dtype=torch.float64), torch.arange(9)),
+               hint="keep the dtype: do not convert the input")
+
+
+register(Exercise(
+    key="ch05.rotary", function="rotary",
+    task="debug",
+    reference=rotary_reference, cases=_rotary_cases, compare=expect_close_tensor(1e-5, 1e-5),
+    ops=ELEMENTARY, banned=("course_attn",),
+    mistakes=(
+        Mistake("the two channels of a pair still turn by different angles: your cos and sin "
+                "repeat each frequency side by side (θ₀, θ₀, θ₁, θ₁, ...), the layout of "
+                "neighbouring pairs, while rotate_half pairs channel i with channel i + D/2; "
+                "lay the frequencies out the way rotate_half pairs the channels",
+                mixed_layout_rotary),
+        Mistake("this is a rotation now, but of neighbouring channels (2i, 2i + 1), the "
+                "interleaved convention: this function pairs channel i with channel i + D/2 "
+                "(half-split), as rotate_half does", _rotary_with(interleaved=True)),
+        Mistake("you turn by -m·θᵢ, clockwise: rotate_half must send (x₁, x₂) to (-x₂, x₁) so "
+                "that x₁ cos - x₂ sin comes out, a turn by +m·θᵢ", _rotary_with(sign=-1.0)),
+        Mistake("you turn the tokens by their index 0 .. T-1: use the positions you are given "
+                "(a KV cache passes later ones)", _rotary_with(own_positions=True)),
+    ),
+))
+
+
+# --- ch05.rope_test_catches: which of the chapter's tests catches which bug (predict) ---------
+
+# The chapter's four tests of a RoPE implementation (cells 10 and 14), as options:
+TEST_OPTIONS = ("matches the reference", "norm preserved", "position 0 is identity",
+                "relative property")
+# The bugs, as keys of the answer:
+ROPE_BUGS = {
+    # key: (case name, hint of the case)
+    "minus_theta": ("(a) turns by -m·θᵢ (nanochat's sign)",
+                    "a turn by -mθ is still a rotation by an angle proportional to m"),
+    "interleaved": ("(b) pairs neighbouring channels (2i, 2i + 1)",
+                    "a rotation of other pairs, by the right angles"),
+    "mixed_layout": ("(c) frequencies laid out (θ₀, θ₀, θ₁, θ₁, ...) with rotate_half",
+                     "the two channels of a pair turn by different angles"),
+    "off_by_one": ("(d) positions counted from 1", "every position is one more than it should"),
+    "slow_frequencies": ("(e) θᵢ = base^(-i/D), without the 2",
+                         "each pair turns at a constant rate, just not the right one"),
+}
+
+
+def _mixed(x, angles):
+    """The mixed layout with these (T, D/2) float64 angles."""
+    emb = angles.repeat_interleave(2, dim=-1)
+    return x * emb.cos() + _rotate_half(x) * emb.sin()
+
+
+def _buggy_ropes(head_dim, base=10000.0):
+    """Each bug as a function (x (..., T, D) float64, positions (T,)) -> rotated x."""
+    def angles(positions, **kw):
+        return _angles(positions, head_dim, base, **kw)
+    return {
+        "minus_theta": lambda x, p: _rotate(x, angles(p), sign=-1.0),
+        "interleaved": lambda x, p: _rotate(x, angles(p), interleaved=True),
+        "mixed_layout": lambda x, p: _mixed(x, angles(p)),
+        "off_by_one": lambda x, p: _rotate(x, angles(p + 1)),
+        "slow_frequencies": lambda x, p: _rotate(x, angles(p, exponent=lambda i, d: -i / d)),
+    }
+
+
+def _failing_tests(rope, head_dim, T, shift, base=10000.0):
+    """The chapter's tests that ``rope`` fails, on random float64 q and k of T tokens at
+    positions 0 .. T-1 (and shifted by ``shift`` for the relative property)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, 1, T, head_dim, generator=gen, dtype=torch.float64)
+            for _ in range(2))
+    positions = torch.arange(T)
+
+    def close(a, b):
+        return torch.allclose(a, b, rtol=1e-9, atol=1e-9)
+    rotated = rope(q, positions)
+    failing = []
+    if not close(rotated, rotary_reference(q, positions, base)):
+        failing.append("matches the reference")
+    if not close(rotated.norm(dim=-1), q.norm(dim=-1)):
+        failing.append("norm preserved")
+    if not close(rope(q[..., :1, :], torch.tensor([0])), q[..., :1, :]):
+        failing.append("position 0 is identity")
+    scores = rope(q, positions) @ rope(k, positions).transpose(-2, -1)
+    shifted = rope(q, positions + shift) @ rope(k, positions + shift).transpose(-2, -1)
+    if not close(scores, shifted):
+        failing.append("relative property")
+    return failing
+
+
+@functools.lru_cache(maxsize=4096)
+def _catches(head_dim, T, shift):
+    return tuple((bug, tuple(_failing_tests(rope, head_dim, T, shift)))
+                 for bug, rope in _buggy_ropes(head_dim).items())
+
+
+def rope_test_catches_reference(head_dim, T, shift):
+    """Computed by running the four tests on each bug: {bug: list of the tests it fails, in
+    TEST_OPTIONS' order} (remembered per size: every typical mistake asks for it again)."""
+    return {bug: list(tests) for bug, tests in _catches(int(head_dim), int(T), int(shift))}
+
+
+def _same_tests(key, actual, expected) -> bool:
+    return isinstance(actual, (list, tuple, set)) and all(
+        isinstance(a, str) for a in actual) and {a.strip() for a in actual} == set(expected)
+
+
+def _wrong_tests(key, actual, expected) -> str:
+    if not isinstance(actual, (list, tuple, set)) or not all(isinstance(a, str) for a in actual):
+        return (f"your answer {key!r} should be a list of test names (strings), got "
+                f"{type(actual).__name__}")
+    unknown = sorted({a.strip() for a in actual} - set(TEST_OPTIONS))
+    if unknown:
+        shown = repr(unknown[0]) if len(repr(unknown[0])) <= 40 else repr(unknown[0])[:37] + "..."
+        return (f"your answer {key!r} names {shown}, which is not one of the tests "
+                f"{', '.join(map(repr, TEST_OPTIONS))}")
+    return f"your answer {key!r} is not the set of tests that this bug fails"
+
+
+CATCHES = Questions(ROPE_BUGS, same=_same_tests, wrong=_wrong_tests)
+
+# The chapter's head (D = 64) on ten tokens; one pair (D = 2); one token (T = 1), at position 0.
+PUBLIC_CATCHES = (dict(head_dim=64, T=10, shift=3), dict(head_dim=2, T=6, shift=5),
+                  dict(head_dim=16, T=1, shift=4))
+
+
+def _predicting_tests(*, bugs=None, add=(), drop=(), as_if=None):
+    """A typical wrong prediction: the right sets, with the tests ``add`` added to and ``drop``
+    taken from the bugs ``bugs`` (all if None); ``as_if(head_dim, T, shift)`` gives the sizes
+    the student answered for instead."""
+    def fn(head_dim, T, shift):
+        sizes = as_if(head_dim, T, shift) if as_if else (head_dim, T, shift)
+        right = rope_test_catches_reference(*sizes)
+        return {bug: sorted((set(tests) | set(add)) - set(drop))
+                if bugs is None or bug in bugs else tests for bug, tests in right.items()}
+    return fn
+
+
+register(Exercise(
+    key="ch05.rope_test_catches", function="rope_test_catches",
+    task="predict",
+    ops=NONE,
+    reference=rope_test_catches_reference,
+    cases=lambda: CATCHES.cases(*PUBLIC_CATCHES), compare=CATCHES.compare,
+    # Worked out by thinking: no tensor at all.
+    banned=("course_attn", "torch.tensor", "torch.as_tensor", "torch.arange", "torch.randn",
+            "torch.zeros", "torch.ones"),
+    mistakes=(
+        Mistake("a turn by -mθ is still a rotation by an angle proportional to the position, so "
+                "the score still depends on m - n only: the relative property cannot tell the "
+                "sign", _predicting_tests(bugs=("minus_theta",), add=("relative property",))),
+        Mistake("counting positions from 1 shifts every position by the same amount, which the "
+                "relative property cannot see; position 0 can",
+                _predicting_tests(bugs=("off_by_one",), add=("relative property",))),
+        Mistake("any frequencies give a relative score: the property needs each pair's angle "
+                "to grow in proportion to the position, not a particular θᵢ",
+                _predicting_tests(bugs=("slow_frequencies",), add=("relative property",))),
+        Mistake("the mixed layout turns the two channels of a pair by different angles: that is "
+                "not a rotation, and it changes the norm",
+                _predicting_tests(bugs=("mixed_layout",), drop=("norm preserved",))),
+        Mistake("at position 0 every angle is 0, so cos = 1 and sin = 0 whatever the sign, "
+                "pairing or layout: only a bug that moves the positions turns position 0",
+                _predicting_tests(bugs=("minus_theta", "interleaved", "mixed_layout",
+                                        "slow_frequencies"), add=("position 0 is identity",))),
+        Mistake("with D = 2 there is one pair, channels (0, 1), whatever the pairing or layout, "
+                "and θ₀ = 1 whatever the exponent: those bugs cannot show",
+                _predicting_tests(as_if=lambda d, t, s: (max(d, 8), t, s))),
+        Mistake("with T = 1 the tests see only position 0, where a rotation of any sign, "
+                "pairing or frequency is the identity; only a position moved away from 0 (as "
+                "the relative property's shift) can show a bug there",
+                _predicting_tests(as_if=lambda d, t, s: (d, max(t, 4), s))),
     ),
 ))

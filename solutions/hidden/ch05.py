@@ -7,7 +7,7 @@ draws a case inside each of them on every seed, the sizes drawn at random inside
 import torch
 
 from course_attn.grading.cases import randint, randn
-from course_attn.grading.ch05 import PREDICTIONS, SAME_SCORE_OPTIONS
+from course_attn.grading.ch05 import CATCHES, PREDICTIONS, SAME_SCORE_OPTIONS
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -159,3 +159,76 @@ def _(gen):
         candidates = {SAME_SCORE_OPTIONS[order[j]]: pairs[j] for j in range(4)}
         yield from PREDICTIONS.cases(dict(head_dim=head_dim, base=base, m=m, n=n,
                                           candidates=dict(sorted(candidates.items()))))
+
+
+# --- rotary (debug): x (B, H, T, D), positions (T,), base ---------------------------------------
+# The given mixed layout and the interleaved pairing are right when D = 2 or every position is
+# 0; the turn by -mθ when every position is 0; turning by the index 0 .. T-1 when the positions
+# are 0 .. T-1. The first case (positions from an offset, D >= 4) catches every typical mistake
+# on every seed; the others sample prompts, positions in any order, one pair and one token.
+
+def _rx(case):
+    return case.args[0]
+
+
+def _positions(case):
+    return case.args[1]
+
+
+@hidden("ch05.rotary", regimes={
+    "consecutive positions from an offset > 0 (as a KV cache passes them), D >= 4":
+        lambda case: len(_positions(case)) > 1 and int(_positions(case)[0]) > 0
+        and _consecutive(_positions(case)) and _rx(case).shape[-1] >= 4,
+    "positions 0 .. T-1 (a prompt), T > 1":
+        lambda case: len(_positions(case)) > 1 and int(_positions(case)[0]) == 0
+        and _consecutive(_positions(case)),
+    "positions not consecutive, in any order": lambda case: not _consecutive(_positions(case)),
+    "D = 2 (one pair: every layout agrees)": lambda case: _rx(case).shape[-1] == 2,
+    "T = 1 (one position)": lambda case: len(_positions(case)) == 1,
+    "the default base 10000": lambda case: "base" not in case.kwargs,
+    "another base": lambda case: _base(case) != 10000.0,
+    "float32": lambda case: _rx(case).dtype == torch.float32,
+    "float64": lambda case: _rx(case).dtype == torch.float64,
+})
+def _(gen):
+    b, h, t, d = randint(1, 3, gen), randint(1, 3, gen), randint(2, 12, gen), 2 * randint(2, 16, gen)
+    start = randint(1, 2000, gen)
+    yield Case(f"B={b}, H={h}, positions {start}..{start + t - 1}, D={d}",
+               (randn(b, h, t, d, seed=gen), torch.arange(start, start + t)))
+    h, t, d = randint(1, 3, gen), randint(2, 12, gen), 2 * randint(2, 16, gen)
+    yield Case(f"float64, H={h}, positions 0..{t - 1}, D={d}",
+               (randn(1, h, t, d, seed=gen, dtype=torch.float64), torch.arange(t)))
+    n, d = randint(2, 6, gen), 2 * randint(1, 16, gen)
+    steps = torch.randint(2, 300, (n,), generator=gen)       # gaps of 2 or more: not consecutive
+    positions = steps.cumsum(0) - steps[0] + randint(0, 300, gen)
+    positions = positions[torch.randperm(n, generator=gen)]
+    base = float(randint(10, 1_000_000, gen))
+    yield Case(f"positions {positions.tolist()}, D={d}, base={base:g}",
+               (randn(1, 2, n, d, seed=gen), positions), {"base": base})
+    t, start = randint(2, 10, gen), randint(0, 500, gen)
+    yield Case(f"D=2, positions {start}..{start + t - 1}",
+               (randn(2, 1, t, 2, seed=gen), torch.arange(start, start + t)))
+    position, d = randint(0, 3000, gen), 2 * randint(1, 16, gen)
+    yield Case(f"one position, {position}, D={d}",
+               (randn(1, 2, 1, d, seed=gen), torch.tensor([position])))
+
+
+# --- rope_test_catches (predict): head_dim, T, shift ---------------------------------------------
+# Mistaking D = 2 for a wider head shows only with D = 2, mistaking T = 1 for a longer sequence
+# only with T = 1: each has a regime of its own, drawn on every seed; every other typical
+# mistake shows in the first regime (D >= 4, T >= 2). The shift is never 0 (a relative test
+# that compares a score with itself would catch nothing).
+
+@hidden("ch05.rope_test_catches", regimes={
+    "D >= 4 and T >= 2": lambda case: case.kwargs["head_dim"] >= 4 and case.kwargs["T"] >= 2,
+    "D = 2 (one pair), T >= 2":
+        lambda case: case.kwargs["head_dim"] == 2 and case.kwargs["T"] >= 2,
+    "T = 1 (position 0 only), D >= 4":
+        lambda case: case.kwargs["T"] == 1 and case.kwargs["head_dim"] >= 4,
+})
+def _(gen):
+    sizes = [dict(head_dim=2 * randint(2, 64, gen), T=randint(2, 16, gen),
+                  shift=randint(1, 1000, gen)),
+             dict(head_dim=2, T=randint(2, 16, gen), shift=randint(1, 1000, gen)),
+             dict(head_dim=2 * randint(2, 64, gen), T=1, shift=randint(1, 1000, gen))]
+    yield from CATCHES.cases(*sizes)
