@@ -38,6 +38,12 @@ def merge_heads(x):
     return x.transpose(1, 2).reshape(b, t, h * d)
 
 
+def split_qkv(qkv, n_heads):
+    b, t, three_c = qkv.shape
+    q, k, v = qkv.view(b, t, n_heads, 3, three_c // (3 * n_heads)).unbind(dim=3)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
 def multi_head_attention(x, w_q, w_k, w_v, w_o, n_heads, causal):
     q, k, v = (split_heads(x @ w.T, n_heads) for w in (w_q, w_k, w_v))
     t, d = q.shape[-2], q.shape[-1]
@@ -97,7 +103,8 @@ def leak_pattern(T, H, D, seed):
 @pytest.mark.parametrize("key, fn", [
     ("ch04.split_heads", split_heads), ("ch04.merge_heads", merge_heads),
     ("ch04.multi_head_attention", multi_head_attention), ("ch04.mha_cost", mha_cost),
-    ("ch04.causal_self_attention", causal_self_attention), ("ch04.leak_pattern", leak_pattern)])
+    ("ch04.causal_self_attention", causal_self_attention), ("ch04.leak_pattern", leak_pattern),
+    ("ch04.split_qkv", split_qkv)])
 def test_the_notebooks_solutions_pass_with_the_watch_on(key, fn):
     for cases in [None] + [hidden_cases(key, seed) or None for seed in range(5)]:
         judgement = run_exercise(get(key), fn, cases)
@@ -497,3 +504,44 @@ def test_leak_pattern_mistakes():
 def test_leak_pattern_may_not_call_the_package():
     from course_attn.grading.ch04 import leak_pattern_reference
     assert_banned("ch04.leak_pattern", leak_pattern_reference, "course_attn")
+
+
+# --- split_qkv (implement) ---------------------------------------------------------------------
+
+def test_split_qkv_is_gpt_neox_layout():
+    """The reference cuts the fused output as Hugging Face's GPTNeoXAttention does: a view to
+    (B, T, H, 3D), then the three D-wide slices of every head."""
+    exercise = get("ch04.split_qkv")
+    for case in exercise.public_cases():
+        qkv, h = case.args
+        b, t, three_c = qkv.shape
+        d = three_c // (3 * h)
+        grouped = qkv.view(b, t, h, 3 * d)
+        neox = (grouped[..., :d].permute(0, 2, 1, 3), grouped[..., d:2 * d].permute(0, 2, 1, 3),
+                grouped[..., 2 * d:].permute(0, 2, 1, 3))
+        for got, want in zip(exercise.expected(case), neox):
+            assert torch.equal(got, want), case.name
+
+
+def test_split_qkv_mistakes():
+    key, first = "ch04.split_qkv", "B=2, T=5, H=3, D=4 (3C=36)"
+    assert_fails(key, lambda qkv, h: tuple(split_heads(z, h) for z in qkv.chunk(3, dim=-1)),
+                 first, hint="GPT-2's layout")
+
+    def every_third(qkv, h):
+        b, t, c3 = qkv.shape
+        g = qkv.view(b, t, h, c3 // (3 * h), 3)
+        return tuple(g[..., j].transpose(1, 2) for j in range(3))
+    assert_fails(key, every_third, first, hint="every third channel")
+    assert_fails(key, lambda qkv, h: qkv.view(*qkv.shape[:2], h, 3, -1).unbind(3), first,
+                 hint="heads must come before time", message="shape")
+    # a (3, H) view (three blocks of heads) is GPT-2's layout again
+    assert_fails(key, lambda qkv, h: tuple(z.transpose(1, 2) for z in qkv.view(
+        *qkv.shape[:2], 3, h, -1).unbind(2)), first, hint="GPT-2's layout")
+    assert_fails(key, lambda qkv, h: split_qkv(qkv, h)[0], first,
+                 message="should return a tuple")
+
+
+def test_split_qkv_may_not_call_the_package():
+    from course_attn.grading.ch04 import split_qkv_reference
+    assert_banned("ch04.split_qkv", split_qkv_reference, "course_attn")

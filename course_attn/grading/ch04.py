@@ -4,6 +4,9 @@
                                D = C / H; head h gets channels h·D .. (h+1)·D - 1
     ch04.merge_heads           (warm-up) merge_heads(x (B, H, T, D)) -> (B, T, H·D); undoes
                                split_heads
+    ch04.split_qkv             (implement) split_qkv(qkv (B, T, 3C), n_heads) -> (q, k, v), each
+                               (B, H, T, D), from a fused projection whose channels are
+                               grouped by head (GPT-NeoX's query_key_value)
     ch04.multi_head_attention  (warm-up) multi_head_attention(x, w_q, w_k, w_v, w_o, n_heads,
                                causal) -> (B, T, C): self-attention with H heads; every weight
                                is (C, C) in nn.Linear's (out, in) convention, q = x @ w_q.T
@@ -27,7 +30,7 @@ import torch
 
 from ..attention import scaled_dot_product_attention
 from ..multihead import merge_heads, split_heads
-from .cases import count_questions, expect_close_tensor, expect_tensor, randn
+from .cases import count_questions, expect_close_tensor, expect_tensor, expect_tensors, randn
 from .exercise import Case, Exercise, Mistake, register
 from .operations import ELEMENTARY, NONE, NO_LIBRARY_ATTENTION, SOFTMAX
 
@@ -128,6 +131,69 @@ register(Exercise(
                 "axes into H·D channels", _merge_only_transpose),
         Mistake("your channels interleave the heads (channel j comes from head j mod H): head h "
                 "must fill the contiguous block h·D .. (h+1)·D - 1", _merge_strided),
+    ),
+))
+
+
+# --- ch04.split_qkv: the fused projection's output, grouped by head (GPT-NeoX's layout) --------
+
+def split_qkv_reference(qkv, n_heads):
+    """qkv (B, T, 3C), channels grouped by head: head h's query, key and value are the blocks
+    h·3D + [0, D), h·3D + [D, 2D), h·3D + [2D, 3D) (GPT-NeoX's and BLOOM's query_key_value)
+    -> (q, k, v), each (B, H, T, D)."""
+    b, t, three_c = qkv.shape
+    d = three_c // (3 * n_heads)
+    grouped = qkv.view(b, t, n_heads, 3, d).permute(3, 0, 2, 1, 4)     # (3, B, H, T, D)
+    return tuple(grouped[j] for j in range(3))
+
+
+def _qkv_gpt2_layout(qkv, n_heads):
+    return tuple(split_heads(z, n_heads) for z in qkv.chunk(3, dim=-1))
+
+
+def _qkv_channelwise(qkv, n_heads):
+    b, t, three_c = qkv.shape
+    d = three_c // (3 * n_heads)
+    grouped = qkv.view(b, t, n_heads, d, 3).permute(4, 0, 2, 1, 3)
+    return tuple(grouped[j] for j in range(3))
+
+
+def _qkv_no_transpose(qkv, n_heads):
+    b, t, three_c = qkv.shape
+    grouped = qkv.view(b, t, n_heads, 3, three_c // (3 * n_heads))
+    return tuple(grouped[:, :, :, j] for j in range(3))
+
+
+def _qkv_cases():
+    yield Case("B=2, T=5, H=3, D=4 (3C=36)", (randn(2, 5, 36, seed=450), 3),
+               hint="head h owns the 3D channels h·3D .. (h+1)·3D - 1: its query, then its key, "
+                    "then its value, D each")
+    yield Case("B=1, T=4, H=2, D=3 (3C=18)", (randn(1, 4, 18, seed=451), 2),
+               hint="view the channels as (H, 3, D), then move the head axis before time")
+    yield Case("one head (H=1)", (randn(2, 3, 12, seed=452), 1),
+               hint="with one head, q, k and v are the three thirds of the channels")
+    yield Case("heads of width 1 (D=1), H=4", (randn(1, 3, 12, seed=453), 4),
+               hint="D = 1: head h's query, key and value are channels 3h, 3h + 1, 3h + 2")
+    yield Case("T=1", (randn(3, 1, 24, seed=454), 2),
+               hint="one token: each head holds D numbers of q, of k and of v")
+    yield Case("float64, B=2, T=6, H=4, D=2", (randn(2, 6, 24, seed=455, dtype=torch.float64), 4),
+               hint="keep the dtype: do not convert the input")
+
+
+register(Exercise(
+    key="ch04.split_qkv", function="split_qkv", reference=split_qkv_reference,
+    task="implement",   # a layout the chapter does not use (its section 5 fuses GPT-2's way)
+    ops=ELEMENTARY,
+    cases=_qkv_cases, compare=expect_tensors(("q", "k", "v")), banned=("course_attn",),
+    mistakes=(
+        Mistake("you read GPT-2's layout (all the queries, then all the keys, then all the "
+                "values, as the chapter's fused nn.Linear(C, 3C)): here the channels are "
+                "grouped by head, the query, key and value of head 0, then those of head 1, ...",
+                _qkv_gpt2_layout),
+        Mistake("your heads' q, k and v take every third channel: each is a block of D "
+                "consecutive channels of its head's 3D", _qkv_channelwise),
+        Mistake("your q, k and v are (B, T, H, D): the heads must come before time, "
+                "(B, H, T, D), as split_heads gives them", _qkv_no_transpose),
     ),
 ))
 

@@ -220,3 +220,44 @@ def _(gen):
     yield Case(f"T={t}, H={h}", (t, h, randint(1, 4, gen), randint(0, 10_000, gen)))
     t = randint(2, 8, gen)
     yield Case(f"T={t}, H=1", (t, 1, randint(1, 4, gen), randint(0, 10_000, gen)))
+
+
+# --- split_qkv (implement): qkv (B, T, 3C), n_heads ------------------------------------------
+# GPT-2's layout (all queries, then keys, then values) is right when H = 1; q, k, v taking every
+# third channel when D = 1; (B, T, H, D) has the right shape when T = H. The first two cases
+# have H, D >= 2 and T != H, and catch every typical mistake on every seed.
+
+def _qkv_heads(case):
+    return case.args[1]
+
+
+def _qkv_width(case):
+    return _x(case).shape[2] // (3 * _qkv_heads(case))
+
+
+@hidden("ch04.split_qkv", regimes={
+    "H > 1 and D > 1": lambda case: _qkv_heads(case) > 1 and _qkv_width(case) > 1,
+    "H = 1 (one head: the three thirds)": lambda case: _qkv_heads(case) == 1,
+    "D = 1 (heads of width 1)": lambda case: _qkv_heads(case) > 1 and _qkv_width(case) == 1,
+    "T = 1 (one token)": lambda case: _x(case).shape[1] == 1,
+    "B > 1": lambda case: _x(case).shape[0] > 1,
+    "float32": _dtype(torch.float32),
+    "float64": _dtype(torch.float64),
+})
+def _(gen):
+    def draw_t(h):
+        t = randint(2, 8, gen)
+        return t if t != h else t + 1
+    b, h, d = randint(2, 3, gen), randint(2, 5, gen), randint(2, 6, gen)
+    t = draw_t(h)
+    yield Case(f"B={b}, T={t}, H={h}, D={d}", (randn(b, t, 3 * h * d, seed=gen), h))
+    h, d = randint(2, 5, gen), randint(2, 6, gen)
+    t = draw_t(h)
+    yield Case(f"float64, B=1, T={t}, H={h}, D={d}",
+               (randn(1, t, 3 * h * d, seed=gen, dtype=torch.float64), h))
+    b, t, d = randint(1, 3, gen), randint(2, 6, gen), randint(1, 8, gen)
+    yield Case(f"one head: B={b}, T={t}, D={d}", (randn(b, t, 3 * d, seed=gen), 1))
+    b, t, h = randint(1, 3, gen), randint(2, 6, gen), randint(2, 8, gen)
+    yield Case(f"heads of width 1: B={b}, T={t}, H={h}", (randn(b, t, 3 * h, seed=gen), h))
+    b, h, d = randint(1, 3, gen), randint(2, 4, gen), randint(2, 4, gen)
+    yield Case(f"T=1: B={b}, H={h}, D={d}", (randn(b, 1, 3 * h * d, seed=gen), h))
