@@ -485,7 +485,7 @@ def test_split_states_are_attention_over_each_side():
     assert torch.isfinite(lse_a).all() and torch.isfinite(lse_b).all()
 
 
-# --- the notebook's new exercises, from its own cells ----------------------------------------------
+# --- the notebook's new exercises, from its own cells --------------------------------------------
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "09_flash_attention.ipynb"
 CHUNKED, EXPONENT, TRITON = ("ch09.chunked_attention", "ch09.memory_exponent",
@@ -581,8 +581,9 @@ def test_the_given_attentions_are_the_graders(measured):
     q, k, v = (torch.randn(100, 16, generator=g) for _ in range(3))
     for name in ("naive", "tiled"):
         assert torch.equal(measured.ATTENTIONS[name](q, k, v), ch09.ATTENTIONS[name](q, k, v))
-        torch.testing.assert_close(measured.ATTENTIONS[name](q, k, v), course_attn.
-                                   scaled_dot_product_attention(q[None, None], k[None, None], v[None, None])[0, 0])
+        expected = course_attn.scaled_dot_product_attention(q[None, None], k[None, None],
+                                                            v[None, None])[0, 0]
+        torch.testing.assert_close(measured.ATTENTIONS[name](q, k, v), expected)
 
 
 def test_the_measured_exponent_is_stable_and_separates_naive_from_tiled():

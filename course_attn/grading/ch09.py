@@ -416,7 +416,8 @@ def _mask_wrong(*, count=_blocks, align=True, causal_rule="ok", by_index=False, 
                 window_rule="ok"):
     """tile_mask with one mistake: ``count`` of blocks (floor division), ``align=False`` top
     left, ``causal_rule`` "strict" (skips the diagonal tiles), "before_last" (first key before
-    the last query, strictly) or "one_more" (keeps one tile above it), ``by_index`` compares block numbers, ``windowed=False`` ignores the window,
+    the last query, strictly) or "one_more" (keeps one tile above it), ``by_index`` compares
+    block numbers, ``windowed=False`` ignores the window,
     ``window_rule`` "one_more" keeps a key W positions back."""
     def tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None):
         nq, nk = count(tq, block_q), count(tk, block_k)
@@ -718,7 +719,8 @@ def _triton_cases():
                far_below(16, 32, 16, 933),
                hint="exp of a score 100 below the running max underflows to 0 in float32")
     yield Case("Tq = 33, Tk = 17, D = 16: three query blocks, one key past a tile",
-               random_qkv(33, 17, 16, 934), hint="a key tile of one real key and 15 padding positions")
+               random_qkv(33, 17, 16, 934),
+               hint="a key tile of one real key and 15 padding positions")
 
 
 def _compare_triton(actual, expected, case=None):

@@ -159,8 +159,9 @@ def _(gen):
 # blocks, comparing block numbers or aligning top-left each changes some tile; a square
 # causal case (one tile off the diagonal is wrong there); a window of W = k·B + 1 without
 # causality (the nearest query and key of some tile are exactly W apart: one key too many is
-# wrong there) query blocks one longer than key blocks, Tq = Tk (key block 1 starts at
-# query block 0's last position: a strict first key < last query is wrong there); a causal window shorter than the keys (ignoring it is wrong there).
+# wrong there); query blocks one longer than key blocks, Tq = Tk (key block 1 starts at
+# query block 0's last position: a strict first key < last query is wrong there); a causal
+# window shorter than the keys (ignoring it is wrong there).
 def _mask_regime(rule):
     """A regime of tile_mask: ``rule`` of (tq, tk, bq, bk, causal, window)."""
     def inside(case):
