@@ -52,6 +52,12 @@ def rope_predictions(head_dim, base, m, n, candidates):
             "score": math.sin(m - n), "same_score": same[0]}
 
 
+def hf_to_meta_rows(w, n_heads):
+    rows, c = w.shape
+    d = rows // n_heads
+    return w.reshape(n_heads, 2, d // 2, c).transpose(1, 2).reshape(rows, c)
+
+
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
@@ -93,7 +99,7 @@ def rope_test_catches(head_dim, T, shift):
     ("ch05.rope_angles", rope_angles), ("ch05.apply_rope", apply_rope),
     ("ch05.pairing_permutation", pairing_permutation),
     ("ch05.rope_predictions", rope_predictions), ("ch05.rotary", rotary),
-    ("ch05.rope_test_catches", rope_test_catches)])
+    ("ch05.rope_test_catches", rope_test_catches), ("ch05.hf_to_meta_rows", hf_to_meta_rows)])
 def test_the_notebooks_solutions_pass_with_the_watch_on(key, fn):
     for cases in [None] + [hidden_cases(key, seed) or None for seed in range(5)]:
         judgement = run_exercise(get(key), fn, cases)
@@ -511,3 +517,50 @@ def test_rope_test_catches_is_thought_not_run():
         q = torch.randn(1, 1, T, head_dim)
         return {**rope_test_catches(head_dim, T, shift), "minus_theta": [REF] * bool(q.numel())}
     assert_banned("ch05.rope_test_catches", measured, "torch.randn")
+
+
+# --- hf_to_meta_rows (implement) ---------------------------------------------------------------
+
+def test_hf_to_meta_rows_undoes_the_chapters_conversion_and_keeps_the_model():
+    """A half-split layer and an interleaved one with the converted W_Q and W_K compute the
+    same thing; converting back with the chapter's rows (p in every head) gives w again."""
+    import copy
+    exercise = get("ch05.hf_to_meta_rows")
+    for case in exercise.public_cases():
+        w, h = case.args
+        d = w.shape[0] // h
+        p = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+        rows = torch.cat([k * d + p for k in range(h)])
+        assert torch.equal(exercise.expected(case)[rows], w), case.name
+    c, h = 16, 2
+    hf = course_attn.MultiHeadAttention(c, n_heads=h, rope=True)
+    meta = copy.deepcopy(hf)
+    meta.rope_interleaved = True
+    with torch.no_grad():
+        meta.q_proj.weight.copy_(hf_to_meta_rows(hf.q_proj.weight, h))
+        meta.k_proj.weight.copy_(hf_to_meta_rows(hf.k_proj.weight, h))
+        x = torch.randn(2, 7, c, generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(meta(x), hf(x))
+
+
+def test_hf_to_meta_rows_mistakes():
+    key, first = "ch05.hf_to_meta_rows", "H=2, D=8, C=16"
+
+    def with_p(w, n_heads):                      # the chapter's permutation, once more
+        d = w.shape[0] // n_heads
+        p = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+        return w[torch.cat([h * d + p for h in range(n_heads)])]
+    assert_fails(key, with_p, first, hint="the chapter's conversion")
+    assert_fails(key, lambda w, n_heads: hf_to_meta_rows(w, 1), first, hint="as one block")
+
+    def swapped(w, n_heads):
+        rows, c = w.shape
+        halves = w.reshape(n_heads, 2, rows // n_heads // 2, c)
+        return torch.stack([halves[:, 1], halves[:, 0]], dim=2).reshape(rows, c)
+    assert_fails(key, swapped, first, hint="swapped")
+    assert_fails(key, lambda w, n_heads: hf_to_meta_rows(w.T, n_heads).T, first)
+
+
+def test_hf_to_meta_rows_may_not_call_the_package():
+    from course_attn.grading.ch05 import hf_to_meta_rows_reference
+    assert_banned("ch05.hf_to_meta_rows", hf_to_meta_rows_reference, "course_attn")

@@ -11,6 +11,8 @@
                             things to work out by hand about RoPE, for the sizes and positions
                             given: two numbers, and a choice among SAME_SCORE_OPTIONS
                             (predict: compared with what the package computes)
+    ch05.hf_to_meta_rows    (implement) hf_to_meta_rows(w (H·D, C), n_heads) -> w with each
+                            head's rows in Meta's interleaved layout, from Hugging Face's
     ch05.rotary             (debug) rotary(x (B, H, T, D), positions (T,), base) -> x turned,
                             half-split pairs: the repair of the notebook's given rotate_half
                             RoPE, whose angles are laid out for neighbouring pairs
@@ -207,6 +209,65 @@ register(Exercise(
                 "channels", lambda head_dim: torch.arange(head_dim)),
         Mistake("return a tensor of integer indices (torch.long)",
                 lambda head_dim: pairing_permutation_reference(head_dim).float()),
+    ),
+))
+
+
+# --- ch05.hf_to_meta_rows: a checkpoint's W_Q back to the interleaved layout (implement) -------
+
+def hf_to_meta_rows_reference(w, n_heads):
+    """w (H·D, C), the rows of W_Q or W_K in Hugging Face's half-split layout -> the same rows
+    in Meta's interleaved layout: in each head's block of D rows, row i goes to 2i and row
+    i + D/2 to 2i + 1 (what the chapter's conversion undoes; llama.cpp's converter does it)."""
+    rows, c = w.shape
+    d = rows // n_heads
+    return w.reshape(n_heads, 2, d // 2, c).transpose(1, 2).reshape(rows, c)
+
+
+def _meta_to_hf_rows(w, n_heads):
+    """The chapter's direction, Meta -> HF (the permutation p within every head)."""
+    rows, c = w.shape
+    d = rows // n_heads
+    return w.reshape(n_heads, d // 2, 2, c).transpose(1, 2).reshape(rows, c)
+
+
+def _rows_as_one_head(w, n_heads):
+    return hf_to_meta_rows_reference(w, 1)
+
+
+def _rows_swapped(w, n_heads):
+    rows, c = w.shape
+    d = rows // n_heads
+    return w.reshape(n_heads, 2, d // 2, c).flip(1).transpose(1, 2).reshape(rows, c)
+
+
+def _rows_cases():
+    yield Case("H=2, D=8, C=16", (randn(16, 16, seed=570), 2),
+               hint="head h's rows h·D + i and h·D + i + D/2 (a half-split pair) become its rows "
+                    "h·D + 2i and h·D + 2i + 1 (an interleaved pair)")
+    yield Case("H=1, D=12, C=12", (randn(12, 12, seed=571), 1),
+               hint="with one head, row i goes to 2i and row i + D/2 to 2i + 1")
+    yield Case("H=3, D=6, C=18", (randn(18, 18, seed=572), 3),
+               hint="each head's block of D rows is reordered on its own")
+    yield Case("H=4, D=2: one pair per head", (randn(8, 8, seed=573), 4),
+               hint="with D = 2 the two layouts agree")
+    yield Case("float64, H=2, D=16, C=32", (randn(32, 32, seed=574, dtype=torch.float64), 2),
+               hint="keep the dtype")
+
+
+register(Exercise(
+    key="ch05.hf_to_meta_rows", function="hf_to_meta_rows", reference=hf_to_meta_rows_reference,
+    task="implement",   # the chapter converts Meta -> HF (section 6); this is the way back
+    ops=ELEMENTARY,
+    cases=_rows_cases, compare=expect_tensor, banned=("course_attn",),
+    mistakes=(
+        Mistake("that is the chapter's conversion, Meta -> Hugging Face (rows reordered by p): "
+                "here the rows go the other way, from half-split to interleaved, which is the "
+                "inverse permutation", _meta_to_hf_rows),
+        Mistake("you reordered all H·D rows as one block: each head's D rows are paired and "
+                "reordered on their own (RoPE pairs channels within a head)", _rows_as_one_head),
+        Mistake("your pairs come out swapped (row i + D/2 at 2i, row i at 2i + 1): that turns "
+                "every pair by -θ", _rows_swapped),
     ),
 ))
 

@@ -232,3 +232,38 @@ def _(gen):
              dict(head_dim=2, T=randint(2, 16, gen), shift=randint(1, 1000, gen)),
              dict(head_dim=2 * randint(2, 64, gen), T=1, shift=randint(1, 1000, gen))]
     yield from CATCHES.cases(*sizes)
+
+
+# --- hf_to_meta_rows (implement): w (H·D, C), n_heads ------------------------------------------
+# The chapter's direction (Meta -> HF) is its own inverse when D <= 4; all rows as one head is
+# right when H = 1 or D = 2; swapped pairs are right when D = 2 never (they swap the two rows).
+# The first case (H >= 2, D >= 6) catches every typical mistake on every seed.
+
+def _rows_heads(case):
+    return case.args[1]
+
+
+def _rows_d(case):
+    return case.args[0].shape[0] // case.args[1]
+
+
+@hidden("ch05.hf_to_meta_rows", regimes={
+    "H >= 2 and D >= 6": lambda case: _rows_heads(case) >= 2 and _rows_d(case) >= 6,
+    "H = 1 (one head)": lambda case: _rows_heads(case) == 1,
+    "D = 4 (within a head, the permutation is its own inverse)": lambda case: _rows_d(case) == 4,
+    "D = 2 (one pair per head)": lambda case: _rows_d(case) == 2,
+    "C != H·D (as W_K of grouped-query attention)":
+        lambda case: case.args[0].shape[1] != case.args[0].shape[0],
+    "float32": lambda case: case.args[0].dtype == torch.float32,
+    "float64": lambda case: case.args[0].dtype == torch.float64,
+})
+def _(gen):
+    h, d = randint(2, 4, gen), 2 * randint(3, 16, gen)
+    yield Case(f"H={h}, D={d}, C={h * d}", (randn(h * d, h * d, seed=gen), h))
+    d, c = 2 * randint(2, 16, gen), randint(2, 64, gen)
+    c = c if c != d else c + 1
+    yield Case(f"float64, H=1, D={d}, C={c}", (randn(d, c, seed=gen, dtype=torch.float64), 1))
+    h = randint(1, 4, gen)
+    yield Case(f"H={h}, D=4, C={4 * h}", (randn(4 * h, 4 * h, seed=gen), h))
+    h, c = randint(1, 6, gen), randint(2, 32, gen)
+    yield Case(f"H={h}, D=2, C={c}", (randn(2 * h, c, seed=gen), h))
