@@ -412,6 +412,42 @@ def test_decode_savings_may_not_call_the_package():
     assert_banned(SAVINGS, with_the_package, "course_attn")
 
 
+def test_decode_savings_counted_with_the_packages_model_is_refused_by_name():
+    """The issue: a decode_savings that counts with FlopCounterMode on course_attn's GPT failed
+    in the grader only on the time limit (GPT-2 small's sizes take minutes on a CPU). On sizes
+    that run at once, the guard names the package's model as the refused call (the first hit
+    comes before any tensor is made; a timeout in the grader is the grader's to explain)."""
+    def counted(L, C, V, T, P, N):
+        from course_attn.model import generate
+        gpt = GPT(GPTConfig(vocab_size=V, seq_len=max(T, P + N) + 1, d_model=C, n_heads=1,
+                            n_layers=L, position="rope"))
+        idx = torch.zeros(1, T + 1, dtype=torch.long)
+        out = {}
+        with torch.no_grad():
+            with FlopCounterMode(display=False) as flops:
+                gpt(idx[:, :T])
+            out["step_no_cache"] = flops.get_total_flops() // 2
+            caches = gpt.new_caches(1, T + 1)
+            gpt(idx[:, :T - 1], caches=caches)
+            with FlopCounterMode(display=False) as flops:
+                gpt(idx[:, T - 1:T], caches=caches)
+            out["step_cache"] = flops.get_total_flops() // 2
+            for cached, key in ((False, "generate_no_cache"), (True, "generate_cache")):
+                with FlopCounterMode(display=False) as flops:
+                    generate(gpt, idx[:, :P], N, temperature=0, use_cache=cached)
+                out[key] = flops.get_total_flops() // 2
+        return out
+    # under the guard every Python call is watched (an arithmetic exercise), which makes the
+    # model slow: the smallest sizes do
+    from course_attn.grading.ch08 import SAVINGS as questions
+    small = list(questions.cases(dict(L=1, C=8, V=8, T=3, P=2, N=2)))
+    judgement = run_exercise(get(SAVINGS), counted, small)
+    assert all(r.passed for r in judgement.results)      # the counts are right ...
+    assert judgement.banned[0] == "course_attn.model.GPTConfig.__post_init__", judgement.banned
+    assert not judgement.passed                          # ... and refused by name
+    assert judgement.reason().startswith("calls course_attn.model.")
+
+
 # --- greedy_decode (debug) and first_divergence (measure) ----------------------------------------
 
 DECODE_LOOP, DIVERGENCE = "ch08.greedy_decode", "ch08.first_divergence"
