@@ -7,6 +7,7 @@ The wrong solutions below are written as a student would write them; each test n
 it must fail and a fragment of the hint it must get.
 """
 
+import copy
 import math
 import sys
 from pathlib import Path
@@ -524,7 +525,6 @@ def test_rope_test_catches_is_thought_not_run():
 def test_hf_to_meta_rows_undoes_the_chapters_conversion_and_keeps_the_model():
     """A half-split layer and an interleaved one with the converted W_Q and W_K compute the
     same thing; converting back with the chapter's rows (p in every head) gives w again."""
-    import copy
     exercise = get("ch05.hf_to_meta_rows")
     for case in exercise.public_cases():
         w, h = case.args

@@ -191,7 +191,8 @@ def _positions(case):
     "float64": lambda case: _rx(case).dtype == torch.float64,
 })
 def _(gen):
-    b, h, t, d = randint(1, 3, gen), randint(1, 3, gen), randint(2, 12, gen), 2 * randint(2, 16, gen)
+    b, h, t = randint(1, 3, gen), randint(1, 3, gen), randint(2, 12, gen)
+    d = 2 * randint(2, 16, gen)
     start = randint(1, 2000, gen)
     yield Case(f"B={b}, H={h}, positions {start}..{start + t - 1}, D={d}",
                (randn(b, h, t, d, seed=gen), torch.arange(start, start + t)))
