@@ -531,3 +531,30 @@ def test_a_multi_part_answer_with_one_part_wrong_earns_the_other_parts_share():
     credit, reason, flags = _verdict(evaluation, {}, lambda i: f"cell {i + 1}", 0)
     assert credit == pytest.approx(5 / 6) and reason.startswith("5 of 6 parts right; ")
     assert "you left out the output projection W_O" in reason and flags == []
+
+
+def test_a_triton_kernel_of_the_package_launched_directly_is_refused_by_name(tmp_path):
+    """A kernel launch runs no torch operation the modes see (under the interpreter, NumPy does
+    the arithmetic): the launch itself is the hit, named after the kernel."""
+    triton = pytest.importorskip("triton")
+    import importlib.util
+    package = tmp_path / "course_attn"
+    package.mkdir()
+    (package / "kernels.py").write_text(
+        "import triton\n\n\n@triton.jit\ndef copy_kernel(x, y):\n    pass\n")
+    spec = importlib.util.spec_from_file_location("fake_course_attn_kernels",
+                                                  package / "kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    hits = []
+    guard = Guard(ops=None, package=str(package), report=hits.append)
+
+    def launch():
+        try:
+            module.copy_kernel[(1,)](torch.zeros(1), torch.zeros(1))
+        except Exception:  # no GPU and no interpreter: the launch was seen before it failed
+            pass
+    guard.call(launch, (), {})
+    assert hits == ["course_attn.kernels.copy_kernel"], hits
+    assert type(module.copy_kernel).run.__name__ == "run"   # put back after the call
+    del triton

@@ -373,6 +373,7 @@ class Guard:
             thread.run = guarded_run
             return guard._start(thread, *a, **k)
         threading.Thread.start = start
+        self._kernels = _watch_kernels(self) if self.packages else []
         self.armed = True
         _visit_other_threads(self._visit)
         return self
@@ -386,6 +387,8 @@ class Guard:
                 self._hit(PROFILER_REPLACED)
             sys.setprofile(self._previous_profile)
         threading.Thread.start = self._start
+        for cls, name, original in self._kernels:
+            setattr(cls, name, original)
         _visit_other_threads(self._visit)  # each takes this guard's modes off again
         functions, operations = self._modes
         on_top = _top_dispatch_mode() is operations and _top_function_mode() is functions
@@ -522,6 +525,37 @@ def _thread_states(api):
     while state:
         yield state
         state = api["PyThreadState_Next"](state)
+
+
+def _watch_kernels(guard) -> list:
+    """While ``guard`` is armed, a Triton kernel of the package that is launched (or, under
+    Triton's interpreter, called from a kernel) is a hit: it runs no torch operation that the
+    modes could see (under the interpreter its arithmetic is NumPy's). Only where Triton is
+    imported already. Returns (class, attribute, original) to put back."""
+    watched = []
+    jit, interpreter = (sys.modules.get(f"triton.runtime.{name}") for name in ("jit", "interpreter"))
+    if jit is not None and hasattr(jit, "JITFunction"):
+        watched.append((jit.JITFunction, "run"))
+    if interpreter is not None and hasattr(interpreter, "InterpretedFunction"):
+        watched += [(interpreter.InterpretedFunction, "run"),
+                    (interpreter.InterpretedFunction, "__call__")]
+    undo = []
+    for cls, name in watched:
+        original = cls.__dict__.get(name)
+        if original is not None:
+            setattr(cls, name, _kernel_watch(guard, original))
+            undo.append((cls, name, original))
+    return undo
+
+
+def _kernel_watch(guard, original):
+    def watched(kernel, *args, **kwargs):
+        code = getattr(getattr(kernel, "fn", None), "__code__", None)
+        if guard.armed and code is not None and code.co_filename.startswith(guard.packages):
+            guard._hit(_package_name(code.co_filename,
+                                     getattr(code, "co_qualname", code.co_name)))
+        return original(kernel, *args, **kwargs)
+    return watched
 
 
 def _package_name(filename: str, qualname: str) -> str:
