@@ -691,3 +691,92 @@ def test_check_and_the_grader_refuse_a_fill_cache_that_grows_by_torch_cat(tmp_pa
     assert scores["ch08-fill_cache"].reason == in_process
     assert "calls torch.cat, which this exercise does not allow" in in_process
     assert all(e.passed for gid, e in scores.items() if gid != "ch08-fill_cache"), scores
+
+
+# --- mla_decode_step ------------------------------------------------------------------------------
+
+MLA = "ch08.mla_decode_step"
+MLA_DECODE = "one decode step: T_new=1 after L=6; B=1, H=2, D=4, Dr=4, Dc=6"
+MLA_CHUNK = "a chunk: T_new=3 after L=4; H=3, D=6, Dr=2, Dc=5"
+
+
+def mla_decode_step(q_new, c_new, kr_new, c_past, kr_past, w_uk, w_uv, cos, sin, *,
+                    offset=True, rerotate=False, scale_by=None, rope_scores=True,
+                    bottom_right=True):
+    """The notebook's solution; the keywords make it one typical mistake or another."""
+    start, t_new, d_rope = c_past.shape[1], q_new.shape[2], kr_new.shape[-1]
+    d = q_new.shape[-1] - d_rope
+    at = start if offset else 0
+    c, s = cos[at:at + t_new], sin[at:at + t_new]
+    if rerotate:
+        kr_past = rotate(kr_past, cos[:start], sin[:start])
+    q = torch.cat([q_new[..., :d], rotate(q_new[..., d:], c, s)], dim=-1)
+    latent = torch.cat([c_past, c_new], dim=1)
+    k_rope = torch.cat([kr_past, rotate(kr_new, c, s)], dim=1)
+    heads, t_k = w_uk.shape[0], latent.shape[1]
+    k = torch.cat([torch.einsum("bsc,hcd->bhsd", latent, w_uk),
+                   k_rope[:, None].expand(-1, heads, t_k, d_rope)], dim=-1)
+    if not rope_scores:
+        q, k = q[..., :d], k[..., :d]
+    v = torch.einsum("bsc,hcd->bhsd", latent, w_uv)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(scale_by or d + d_rope)
+    allowed = torch.ones(t_new, t_k, dtype=torch.bool).tril(t_k - t_new if bottom_right else 0)
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+
+
+def test_the_mla_reference_is_the_latent_attention_module_with_a_cache():
+    """Prefill 6 tokens into MultiHeadLatentAttention's cache, then a chunk of 3: the module's
+    output is out_proj of the reference, fed the module's own latents, RoPE keys, query and
+    up-projections (k_up's weight is (H·D, Dc): head h's W_UK is its rows, transposed)."""
+    from course_attn.multihead import merge_heads, split_heads
+    h, d, dr, dc, width = 3, 4, 4, 6, 12
+    torch.manual_seed(0)
+    mla = course_attn.MultiHeadLatentAttention(width, h, latent_dim=dc, head_dim=d,
+                                               rope_dim=dr).double().eval()
+    x = torch.randn(2, 9, width, dtype=torch.float64)
+    with torch.no_grad():
+        cache = mla.new_cache(2, 9, dtype=torch.float64)
+        mla(x[:, :6], cache=cache)
+        c_past, kr_past = cache.k[:, 0, :6].clone(), cache.v[:, 0, :6].clone()
+        out = mla(x[:, 6:], cache=cache)
+        new = x[:, 6:]
+        w_uk = mla.k_up.weight.view(h, d, dc).transpose(-2, -1)
+        w_uv = mla.v_up.weight.view(h, d, dc).transpose(-2, -1)
+        cos, sin = mla.rotary(torch.arange(12))
+        args = (split_heads(mla.q_proj(new), h), mla.kv_norm(mla.kv_down(new)),
+                mla.k_rope_proj(new), c_past, kr_past, w_uk, w_uv, cos.double(), sin.double())
+        reference = get(MLA).reference(*args)
+        torch.testing.assert_close(mla.out_proj(merge_heads(reference)), out)
+        torch.testing.assert_close(mla_decode_step(*args), reference)
+
+
+def test_mla_decode_step_passes_and_its_mistakes_are_named():
+    for cases in [None] + [hidden_cases(MLA, seed) for seed in range(5)]:
+        judgement = run_exercise(get(MLA), mla_decode_step, cases)
+        assert judgement.passed, [(r.name, r.message) for r in judgement.results if not r.passed]
+    assert_fails(MLA, lambda *a: mla_decode_step(*a, offset=False), MLA_DECODE,
+                 hint="at positions 0 .. T_new-1")
+    assert_fails(MLA, lambda *a: mla_decode_step(*a, rerotate=True), MLA_DECODE,
+                 hint="cached RoPE keys again")
+    assert_fails(MLA, lambda *a: mla_decode_step(*a, scale_by=a[0].shape[-1] - a[2].shape[-1]),
+                 MLA_DECODE, hint="1/sqrt(D)")
+    assert_fails(MLA, lambda *a: mla_decode_step(*a, rope_scores=False), MLA_DECODE,
+                 hint="leave out the RoPE channels")
+    assert_fails(MLA, lambda *a: mla_decode_step(*a, bottom_right=False), MLA_CHUNK,
+                 hint="aligned top-left")
+    # a cache of keys and values per head, as exercise 2, is not what this exercise caches: it
+    # cannot even be called with the latents
+    assert_fails(MLA, lambda q, c, kr, cp, krp, *rest: decode_step(q, c, kr, cp, krp, *rest[2:]),
+                 MLA_DECODE)
+
+
+def test_mla_decode_step_may_not_call_the_package_or_a_library_attention():
+    def with_the_module_rope(*args):
+        course_attn.apply_rotary_emb(torch.zeros(1, 1, 1, 2), torch.ones(1, 1), torch.zeros(1, 1))
+        return mla_decode_step(*args)
+    assert_banned(MLA, with_the_module_rope, "course_attn")
+
+    def with_sdpa(*args):
+        F.scaled_dot_product_attention(*(torch.zeros(1, 1, 2, 2) for _ in range(3)))
+        return mla_decode_step(*args)
+    assert_banned(MLA, with_sdpa, "scaled_dot_product_attention")

@@ -585,3 +585,101 @@ register(Exercise(
                 _agreement(params, prompt, n_new)[1]),
     ),
 ))
+
+
+# --- ch08.mla_decode_step: a decode step whose cache holds MLA's latents -----------------------
+#
+# Chapter 7's multi-head latent attention caches, per token, one latent c (Dc) and one RoPE key
+# k_rope (Dr, rotated, shared by the heads); each head's key [c W_uk,h ; k_rope] and value
+# c W_uv,h are rebuilt from them. A decode step with that cache: rotate the new tokens' RoPE
+# queries and key at positions L .., append the new latents and RoPE keys to the cached ones,
+# rebuild keys and values, and attend (bottom-right causal, scale 1/sqrt(D + Dr)).
+
+def mla_decode_step_reference(q_new, c_new, kr_new, c_past, kr_past, w_uk, w_uv, cos, sin):
+    """q_new (B, H, T, D + Dr), RoPE channels last, not rotated; c_new (B, T, Dc); kr_new
+    (B, T, Dr) not rotated; c_past (B, L, Dc); kr_past (B, L, Dr) rotated; w_uk, w_uv
+    (H, Dc, D); tables (P, Dr/2) -> (B, H, T, D)."""
+    start, t, dr = c_past.shape[1], q_new.shape[2], kr_new.shape[-1]
+    d = q_new.shape[-1] - dr
+    c_tab, s_tab = cos[start:start + t], sin[start:start + t]
+    q = torch.cat([q_new[..., :d], apply_rotary_emb(q_new[..., d:], c_tab, s_tab)], dim=-1)
+    latent = torch.cat([c_past, c_new], dim=1)                                   # (B, S, Dc)
+    k_rope = torch.cat([kr_past, apply_rotary_emb(kr_new, c_tab, s_tab)], dim=1)  # (B, S, Dr)
+    heads, s = w_uk.shape[0], latent.shape[1]
+    k = torch.cat([torch.einsum("bsc,hcd->bhsd", latent, w_uk),
+                   k_rope[:, None].expand(-1, heads, s, dr)], dim=-1)
+    v = torch.einsum("bsc,hcd->bhsd", latent, w_uv)
+    return scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _mla_case(name, b, h, length, t_new, d, dr, dc, extra, seed, hint, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed) if isinstance(seed, int) else seed
+    cos, sin = rope_tables(length + t_new + extra, dr, dtype=dtype)
+    q = randn(b, h, t_new, d + dr, seed=g, dtype=dtype, scale=2.0)
+    c_new, c_past = randn(b, t_new, dc, seed=g, dtype=dtype), randn(b, length, dc, seed=g,
+                                                                    dtype=dtype)
+    kr_new = randn(b, t_new, dr, seed=g, dtype=dtype, scale=2.0)
+    kr_past = apply_rotary_emb(randn(b, length, dr, seed=g, dtype=dtype, scale=2.0),
+                               cos[:length], sin[:length])
+    w_uk = randn(h, dc, d, seed=g, dtype=dtype, scale=1 / math.sqrt(dc))
+    w_uv = randn(h, dc, d, seed=g, dtype=dtype, scale=1 / math.sqrt(dc))
+    return Case(name, (q, c_new, kr_new, c_past, kr_past, w_uk, w_uv, cos, sin), hint=hint)
+
+
+def _mla_cases():
+    yield _mla_case("one decode step: T_new=1 after L=6; B=1, H=2, D=4, Dr=4, Dc=6", 1, 2, 6, 1,
+                    4, 4, 6, 2, 840, "the new token sits at position L: rotate its RoPE query "
+                                     "and key there; every head sees all L + 1 latents")
+    yield _mla_case("a chunk: T_new=3 after L=4; H=3, D=6, Dr=2, Dc=5", 1, 3, 4, 3, 6, 2, 5, 3,
+                    841, "query i of the chunk sits at position L + i and may see keys "
+                         "0 .. L + i")
+    yield _mla_case("a prefill: an empty cache, L=0, T_new=4; B=2", 2, 2, 0, 4, 4, 4, 3, 1, 842,
+                    "with nothing cached this is MLA's causal attention with RoPE from 0")
+    yield _mla_case("float64: T_new=2 after L=5, tables for 12 positions", 1, 2, 5, 2, 4, 6, 8, 5,
+                    843, "do not convert the inputs; let their dtype flow through",
+                    dtype=torch.float64)
+
+
+def _mla_wrong(*, at=None, rerotate=False, scale_d=False, no_rope=False, align="bottom_right"):
+    """mla_decode_step with one mistake: ``at`` the start of the new tokens' rotation (None: L),
+    ``rerotate`` the cached RoPE keys rotated again at 0 .. L-1, ``scale_d`` scores scaled by
+    1/sqrt(D), ``no_rope`` scores of the content channels only, ``align`` of the mask."""
+    def step(q_new, c_new, kr_new, c_past, kr_past, w_uk, w_uv, cos, sin):
+        length, t, dr = c_past.shape[1], q_new.shape[2], kr_new.shape[-1]
+        d = q_new.shape[-1] - dr
+        start = length if at is None else at
+        q_rope = _rope(q_new[..., d:], cos, sin, start)
+        kr = _rope(kr_new[:, None], cos, sin, start)[:, 0]
+        if rerotate:
+            kr_past = _rope(kr_past[:, None], cos, sin, 0)[:, 0]
+        latent, k_rope = torch.cat([c_past, c_new], 1), torch.cat([kr_past, kr], 1)
+        k_nope = torch.einsum("bsc,hcd->bhsd", latent, w_uk)
+        v = torch.einsum("bsc,hcd->bhsd", latent, w_uv)
+        scores = q_new[..., :d] @ k_nope.transpose(-2, -1)
+        if not no_rope:
+            scores = scores + q_rope @ k_rope[:, None].transpose(-2, -1)
+        scores = scores / math.sqrt(d if scale_d else d + dr)
+        mask = causal_mask(t, latent.shape[1], align=align)
+        return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    return step
+
+
+register(Exercise(
+    key="ch08.mla_decode_step", function="mla_decode_step",
+    reference=mla_decode_step_reference, task="implement", ops=ELEMENTARY | SOFTMAX,
+    cases=_mla_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
+    mistakes=(
+        Mistake("you rotated the new RoPE query and key at positions 0 .. T_new-1: they come "
+                "after the L cached tokens, so RoPE must start at position L", _mla_wrong(at=0)),
+        Mistake("you rotated the cached RoPE keys again: they were rotated when they were "
+                "cached, at their own positions", _mla_wrong(rerotate=True)),
+        Mistake("you scaled the scores by 1/sqrt(D): a score is the dot product of the whole "
+                "query with the whole key, content and RoPE channels, D + Dr of them",
+                _mla_wrong(scale_d=True)),
+        Mistake("your scores leave out the RoPE channels: each head's key is the latent's key "
+                "and the shared RoPE key side by side, and its query meets both",
+                _mla_wrong(no_rope=True)),
+        Mistake("your causal mask is aligned top-left: the new queries are the LAST T_new "
+                "positions, so query i sits at L + i", _mla_wrong(align="top_left")),
+    ),
+))

@@ -4,8 +4,9 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint
-from course_attn.grading.ch08 import (SAVINGS, _agreement, _chunks, _label, _step_case,
-                                      first_divergence_reference, smallest_gap, toy_model)
+from course_attn.grading.ch08 import (SAVINGS, _agreement, _chunks, _label, _mla_case,
+                                      _step_case, first_divergence_reference, smallest_gap,
+                                      toy_model)
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -193,3 +194,52 @@ def _(gen):
             if inside(*_agreement(*args), args[2]):
                 break
         yield Case(_decode_label(args), args)
+
+
+# ch08.mla_decode_step: as decode_step's, with the MLA sizes drawn apart (D, Dr even, Dc, not
+# all equal); the cached length L > 0 in all but the prefill (rotating at 0, rotating the cached
+# RoPE keys again or a top-left mask are wrong only there).
+def _mla(rule):
+    """A regime of mla_decode_step: ``rule`` of the sizes of a case."""
+    def inside(case):
+        q, c_past, w_uk, cos = case.args[0], case.args[3], case.args[5], case.args[7]
+        return rule(H=w_uk.shape[0], T_new=q.shape[2], L=c_past.shape[1], P=cos.shape[0],
+                    dtype=q.dtype)
+    return inside
+
+
+@hidden("ch08.mla_decode_step", regimes={
+    "one new token after a cache (T_new = 1, L > 0)":
+        _mla(lambda T_new, L, **_: T_new == 1 and L > 0),
+    "a chunk after a cache (T_new > 1, L > 0)": _mla(lambda T_new, L, **_: T_new > 1 and L > 0),
+    "an empty cache (L = 0, a prefill)": _mla(lambda L, **_: L == 0),
+    "one head (H = 1)": _mla(lambda H, **_: H == 1),
+    "several heads (H > 1)": _mla(lambda H, **_: H > 1),
+    "tables longer than the sequence (P > L + T_new)":
+        _mla(lambda P, L, T_new, **_: P > L + T_new),
+    "tables exactly as long as the sequence (P = L + T_new)":
+        _mla(lambda P, L, T_new, **_: P == L + T_new),
+    "float32": _mla(lambda dtype, **_: dtype == torch.float32),
+    "float64": _mla(lambda dtype, **_: dtype == torch.float64),
+})
+def _(gen):
+    def sizes():
+        return 2 * randint(1, 4, gen), 2 * randint(1, 3, gen), randint(2, 9, gen)
+    length = randint(2, 9, gen)
+    d, dr, dc = sizes()
+    yield _mla_case(f"decode step after L={length}, H=1, D={d}, Dr={dr}, Dc={dc}",
+                    randint(1, 3, gen), 1, length, 1, d, dr, dc, randint(1, 6, gen), gen, "")
+    d, dr, dc = sizes()
+    t_new, h = randint(2, 5, gen), randint(2, 4, gen)
+    yield _mla_case(f"a chunk of {t_new} after L={length}, H={h}, D={d}, Dr={dr}, Dc={dc}, "
+                    f"tables for {length + t_new} positions", randint(1, 2, gen), h, length,
+                    t_new, d, dr, dc, 0, gen, "")
+    d, dr, dc = sizes()
+    t_new = randint(2, 5, gen)
+    yield _mla_case(f"float64, a chunk of {t_new} after L={length + 1}", 1, randint(1, 3, gen),
+                    length + 1, t_new, d, dr, dc, randint(1, 6, gen), gen, "",
+                    dtype=torch.float64)
+    d, dr, dc = sizes()
+    t_new = randint(2, 5, gen)
+    yield _mla_case(f"a prefill of {t_new} into an empty cache", randint(1, 2, gen),
+                    randint(2, 3, gen), 0, t_new, d, dr, dc, randint(0, 4, gen), gen, "")
