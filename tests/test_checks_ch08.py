@@ -459,6 +459,7 @@ BUGGY_ROPE = """    cos, sin = rope_rows(len(tokens), q.shape[-1])
 
 def _cell(grade_id):
     import nbformat
+
     from course_attn.grading.generate import grade_id as id_of
     cells = [c for c in nbformat.read(NOTEBOOK, as_version=4).cells if id_of(c) == grade_id]
     assert len(cells) == 1, grade_id
@@ -524,7 +525,7 @@ def test_greedy_decode_half_repairs_are_named():
     cos, sin = rope_rows(start + len(tokens), q.shape[-1])
     q, k = rotate(q, cos[:len(tokens)], sin[:len(tokens)]), rotate(k, cos[start:], sin[start:])
 """
-    one_too_far = """    start = cache["k"].shape[1] + len(tokens)     # the length once these are written
+    one_too_far = """    start = cache["k"].shape[1] + len(tokens)     # the length once written
     cos, sin = rope_rows(start + len(tokens), q.shape[-1])
     q, k = rotate(q, cos[start:], sin[start:]), rotate(k, cos[start:], sin[start:])
 """
@@ -655,8 +656,8 @@ def test_check_and_the_grader_refuse_a_fill_cache_that_grows_by_torch_cat(tmp_pa
     call is refused (the passed cases come after, 'apart from that'), and the grader, on a copy
     of the solution notebook with that answer, gives 0 points for the same reason."""
     import nbformat
-    from course_attn.grading import ExerciseFailed, check
-    from course_attn.grading import grader
+
+    from course_attn.grading import ExerciseFailed, check, grader
     from course_attn.grading.generate import grade_id as id_of
     from course_attn.grading.sandbox import unavailable
 

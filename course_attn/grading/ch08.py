@@ -402,7 +402,8 @@ def toy_model(seed, vocab=16, width=16, heads=2, head_dim=8):
 def _angles(start, count, d, base=10000.0):
     """cos, sin (count, d/2) of positions start .. start + count - 1, in float64."""
     i = torch.arange(d // 2, dtype=torch.float64)
-    angles = torch.arange(start, start + count, dtype=torch.float64)[:, None] * base ** (-2.0 * i / d)
+    positions = torch.arange(start, start + count, dtype=torch.float64)
+    angles = positions[:, None] * base ** (-2.0 * i / d)
     return angles.cos(), angles.sin()
 
 
@@ -568,6 +569,8 @@ def _measure_cases():
 
 register(Exercise(
     key="ch08.first_divergence", function="first_divergence",
+    # the experiment runs both loops, so it may run what they run (softmax included); the
+    # package is refused, whose reference would answer without running the buggy loop
     reference=first_divergence_reference, task="measure", ops=ELEMENTARY | SOFTMAX,
     cases=_measure_cases, compare=expect_count, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
@@ -576,7 +579,8 @@ register(Exercise(
                 lambda params, prompt, n_new: min(1, n_new)),
         Mistake("you gave the index counting from 1: count the new tokens that agree, before "
                 "the first that differs",
-                lambda params, prompt, n_new: first_divergence_reference(params, prompt, n_new) + 1),
+                lambda params, prompt, n_new:
+                first_divergence_reference(params, prompt, n_new) + 1),
         Mistake("you counted from the start of the prompt: count the new tokens only",
                 lambda params, prompt, n_new: first_divergence_reference(params, prompt, n_new)
                 + prompt.shape[0]),
