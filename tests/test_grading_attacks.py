@@ -500,7 +500,7 @@ ATTACKS = {
     "lookup_table_of_the_public_cases": Attack(
         "issue 8: the public cases answered from a table recorded before grading",
         "03_a", "ch03-causal_mask", LOOKUP_TABLE,
-        r"\d of \d+ cases failed \(first, a hidden case: your result: \d+ of \d+ entries "
+        r"\d+ of \d+ cases failed \(first, a hidden case: your result: \d+ of \d+ entries "
         r"differ\)"),
     "input_transformer_forges_the_checks": Attack(
         "issue 8: an input transformer that prints a pass for every check cell",
@@ -626,9 +626,11 @@ ATTACKS = {
         "06_b", "ch06-rms_norm", ANSWER_FORGED_IN_THE_REPLY,
         re.escape("the grader could not run your function (GraderError: the answer in the "
                   "kernel's reply is not the one the grader's harness gave)"),
-        (re.escape("ch06-rms_norm: the grader's evaluation failed in the kernel (GraderError: "
-                   "the answer in the kernel's reply is not the one the grader's harness "
-                   "gave); the submission may have interfered with it"), MACHINERY)),
+        # gemma_rms_norm calls the notebook's rms_norm, so its answer is rewritten too
+        (r"ch06-(?:gemma_)?rms_norm: " + re.escape(
+            "the grader's evaluation failed in the kernel (GraderError: the answer in the "
+            "kernel's reply is not the one the grader's harness gave); the submission may have "
+            "interfered with it"), MACHINERY)),
     "aten_repeat_interleave": Attack(
         "issue 18: torch.ops.aten.repeat_interleave", "07_a", "ch07-repeat_kv",
         ATEN_REPEAT_INTERLEAVE, banned("torch.ops.aten.repeat_interleave")),
@@ -651,7 +653,8 @@ RAW_THREAD = Attack(
 
 # which exercises call the one attacked, in the solution notebooks
 BUILDS_ON = {"ch03-causal_mask": {"ch03-document_mask"}, "ch02-stable_softmax": {"ch02-attention"},
-             "ch06-rms_norm": {"ch06-qk_norm_attention"}, "ch07-repeat_kv": {"ch07-gqa_attention"}}
+             "ch06-rms_norm": {"ch06-qk_norm_attention", "ch06-gemma_rms_norm"},
+             "ch07-repeat_kv": {"ch07-gqa_attention"}}
 
 # issue 18, 2: a blank notebook that looks for the solutions through /proc and execs them
 SOLUTIONS_THROUGH_PROC = '''import json
@@ -737,12 +740,17 @@ def _params():
 @pytest.mark.parametrize("name", _params())
 def test_an_attack_scores_0_with_a_reason_that_names_it(graded, name):
     """Each attack of ``ATTACKS`` (its ``what`` says which of issue 8 or 18): the attacked
-    exercise scores 0, its reason names the attack (a banned call by the name the student
+    exercise scores 0 (an answer in parts: 0 for the parts attacked), its reason names the attack (a banned call by the name the student
     used), and the notebook carries the attack's flags."""
     attack = ATTACKS[name]
     grade, attacked = _attacked(graded, attack)
-    assert attacked.points == 0 and not attacked.passed, (attack.what, attacked.reason)
-    assert re.fullmatch(attack.reason, attacked.reason), (attack.what, attacked.reason)
+    # an answer in parts keeps the parts the attack left alone, and only those
+    parts = re.match(r"(\d+) of (\d+) parts right; ", attacked.reason)
+    share = int(parts[1]) / int(parts[2]) if parts else 0.0
+    assert share < 1 and not attacked.passed, (attack.what, attacked.reason)
+    assert attacked.points == round(attacked.max_points * share, 2), (attack.what, attacked)
+    reason = attacked.reason[parts.end():] if parts else attacked.reason
+    assert re.fullmatch(attack.reason, reason), (attack.what, attacked.reason)
     for flag in attack.flags:
         assert any(re.fullmatch(flag, f) for f in grade.flags), (attack.what, flag, grade.flags)
 

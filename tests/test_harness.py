@@ -558,3 +558,24 @@ def test_a_triton_kernel_of_the_package_launched_directly_is_refused_by_name(tmp
     assert hits == ["course_attn.kernels.copy_kernel"], hits
     assert type(module.copy_kernel).run.__name__ == "run"   # put back after the call
     del triton
+
+
+def test_once_a_call_of_the_package_is_seen_the_guard_stops_walking_the_stack():
+    """An arithmetic exercise handed a tensor-heavy package function fails at once; the
+    thousands of operations after it must not each pay a stack walk (it took 130 s)."""
+    from course_attn.grading.exercise import get
+    from course_attn.grading.operations import guard_options
+    exercise = get("ch04.mha_cost")
+    guard = Guard(**{k: v for k, v in guard_options(exercise, PACKAGE).items()})
+    walks = []
+    place = guard._place
+    guard._place = lambda *a: walks.append(1) or place(*a)
+
+    x = torch.randn(1, 1, 4, 2)
+
+    def heavy():
+        for _ in range(200):
+            course_attn.scaled_dot_product_attention(x, x, x)
+    guard.call(heavy, (), {})
+    assert guard.hits == ["course_attn.attention.scaled_dot_product_attention"]
+    assert len(walks) < 20, len(walks)
