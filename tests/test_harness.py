@@ -579,3 +579,24 @@ def test_once_a_call_of_the_package_is_seen_the_guard_stops_walking_the_stack():
     guard.call(heavy, (), {})
     assert guard.hits == ["course_attn.attention.scaled_dot_product_attention"]
     assert len(walks) < 20, len(walks)
+
+
+def test_a_run_that_times_out_after_a_refused_call_is_failed_for_the_call():
+    """The refused call is sent on the pipe the moment it happens; a run that then hits the
+    time limit is failed for the call, by name, not for the time."""
+    credit, reason, flags = verdict(None, hits=["course_attn.model.GPTConfig.__post_init__"],
+                                    status="timeout")
+    assert credit == 0 and reason.startswith("calls course_attn.model.GPTConfig.__post_init__")
+
+
+def test_an_interrupt_that_drops_the_profiler_is_not_tampering():
+    """The time limit's KeyboardInterrupt, landing inside the arithmetic exercises' profiler,
+    makes CPython remove it; the guard must not report the profiler as replaced."""
+    guard = Guard(ops=(), package=PACKAGE)
+
+    def slow_honest_answer():
+        sys.setprofile(None)            # what CPython does when the interrupt hits the profiler
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        guard.call(slow_honest_answer, (), {})
+    assert guard.hits == []

@@ -237,6 +237,10 @@ def _verdict(evaluation: Evaluation, runs: dict[int, CellRun], label, memory_mb:
                      f"the operations it runs ({switches[0].removesuffix(SWITCHES_OFF).strip()})")
     if run is None:
         return 0.0, "not graded: the notebook did not get that far", flags
+    refused = [h for h in hits if not h.endswith(SWITCHES_OFF)]
+    if refused and run.status not in ("ok", "error"):
+        # timed out or killed after a refused call: the call is the reason, not the time
+        return 0.0, Judgement(exercise.key, banned=hits).reason(), flags
     if run.status != "ok" or evaluation.answer is None:
         if run.status == "ok" or run.status == "error":
             detail = f"{run.ename}: {shorten(run.evalue, 120)}" if run.ename else "no answer"
