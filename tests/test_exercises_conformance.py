@@ -21,6 +21,7 @@ points are the ones its headings announce, and they add up to the total its intr
 """
 
 import re
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -157,6 +158,20 @@ def test_check_says_not_answered_yet_for_a_stub_and_does_not_raise(key, capsys):
     assert "not answered yet" in capsys.readouterr().out
 
 
+@dataclass(frozen=True)
+class Raised:
+    """What a mistake that raises gives: the grader names it by this error."""
+    type: str
+    message: str
+
+
+def outcome(fn, case):
+    try:
+        return fn(*case.args, **dict(case.kwargs))
+    except Exception as error:
+        return Raised(type(error).__name__, str(error).strip())
+
+
 MISTAKES = [(key, number) for key in KEYS
             for number in range(len(EXERCISES_BY_KEY[key].mistakes))]
 
@@ -178,8 +193,10 @@ def test_a_typical_mistake_fails_a_public_case_with_its_own_hint(key, number):
     for name, hint in hints.items():
         if hint != mistake.hint and hint in others:  # the other mistake's answer must be ours
             case = cases[name]
-            assert same_answer(exercise, mistake.fn(*case.args, **dict(case.kwargs)),
-                               others[hint].fn(*case.args, **dict(case.kwargs)), case), \
+            ours, theirs = outcome(mistake.fn, case), outcome(others[hint].fn, case)
+            same = ours == theirs if isinstance(ours, Raised) or isinstance(theirs, Raised) \
+                else same_answer(exercise, ours, theirs, case)
+            assert same, \
                 f"{key}, {name!r}: named {hint!r}, whose answer differs from {mistake.hint!r}"
     if takes_inputs(key):
         missed = [seed for seed in HIDDEN_SEEDS

@@ -151,15 +151,22 @@ def same_answer(exercise: Exercise, a, b, case: Case | None = None) -> bool:
 
 
 def name_the_mistake(exercise: Exercise, case: Case, value) -> str:
-    """The hint of the first typical mistake whose answer for ``case`` equals ``value``, or ""."""
+    """The hint of the first typical mistake whose answer for ``case`` equals ``value``, or "".
+    Where several give the part of the answer that ``case`` judges, the first whose whole
+    answer is the student's too."""
+    matching = []
     for mistake in exercise.mistakes:
         try:
             wrong = mistake.fn(*case.args, **dict(case.kwargs))
         except Exception:
             continue
         if same_answer(exercise, value, wrong, case):
-            return mistake.hint
-    return ""
+            matching.append((mistake, wrong))
+    if len(matching) > 1 and case.part:
+        whole = [m for m, wrong in matching if same_answer(exercise, value, wrong)]
+        if whole:
+            return whole[0].hint
+    return matching[0][0].hint if matching else ""
 
 
 def name_the_error(exercise: Exercise, case: Case, error: dict) -> str:
