@@ -504,7 +504,9 @@ ATTACKS = {
         r"differ\)"),
     "input_transformer_forges_the_checks": Attack(
         "issue 8: an input transformer that prints a pass for every check cell",
-        "03_b", "ch03-causal_mask", TRANSFORMER_FORGES_CHECKS, FAILS + r"'square, Tq=Tk=4': .+"),
+        "03_b", "ch03-causal_mask", TRANSFORMER_FORGES_CHECKS,
+        r"\d+ of \d+ cases failed \((?:first, 'square, Tq=Tk=4'|one that names the mistake, "
+        r"[^:]+): .+"),
     "transformers_rewrite_the_graders_code": Attack(
         "issue 8: input and AST transformers that would rewrite the grader's code",
         "03_c", "ch03-causal_mask", TRANSFORMERS_REWRITE_THE_GRADER,
