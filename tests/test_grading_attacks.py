@@ -490,23 +490,28 @@ class Attack:
 
 FAILS = r"\d+ of \d+ cases failed \(first, "
 
+
+def fails_first_or_named(first: str) -> str:
+    """The reason shows the first failed case (``first``: the rest of the reason), or, where a
+    failed case's answer is a typical mistake's, that one (hidden cases differ by seed)."""
+    return r"\d+ of \d+ cases failed \((?:first, " + first + r"|one that names the mistake, .+\))"
+
+
 ATTACKS = {
     # issue 8: a wrong answer that patches what the grader compared with, in the kernel
     "patched_comparisons_and_builtins": Attack(
         "issue 8: patched comparisons, builtins and the grader's judge in the kernel",
         "03_patched", "ch03-causal_mask", PATCHED_COMPARISONS,
-        FAILS + r"'square, Tq=Tk=4': your result: 6 of 16 entries differ; hint: .+\)",
+        fails_first_or_named(r"'square, Tq=Tk=4': your result: 6 of 16 entries differ; hint: .+\)"),
         (GRADER_PACKAGE,)),
     "lookup_table_of_the_public_cases": Attack(
         "issue 8: the public cases answered from a table recorded before grading",
         "03_a", "ch03-causal_mask", LOOKUP_TABLE,
-        r"\d+ of \d+ cases failed \(first, a hidden case: your result: \d+ of \d+ entries "
-        r"differ\)"),
+        fails_first_or_named(r"a hidden case: your result: \d+ of \d+ entries differ\)")),
     "input_transformer_forges_the_checks": Attack(
         "issue 8: an input transformer that prints a pass for every check cell",
         "03_b", "ch03-causal_mask", TRANSFORMER_FORGES_CHECKS,
-        r"\d+ of \d+ cases failed \((?:first, 'square, Tq=Tk=4'|one that names the mistake, "
-        r"[^:]+): .+"),
+        fails_first_or_named(r"'square, Tq=Tk=4': .+")),
     "transformers_rewrite_the_graders_code": Attack(
         "issue 8: input and AST transformers that would rewrite the grader's code",
         "03_c", "ch03-causal_mask", TRANSFORMERS_REWRITE_THE_GRADER,
@@ -572,9 +577,10 @@ ATTACKS = {
     "fp16_fill_error_as_a_substring": Attack(
         "issue 18, 4: ch03.fp16_fill answered 'no error: masked_fill just writes -inf'",
         "03_a", "ch03-fp16_fill", FP16_SUBSTRING,
-        FAILS + r"'\(b\) s\.masked_fill\(~allowed, fill\) \(dtype=float16, [^']+\)': your "
-                r"'masked_fill' is not one of the options 'error', 'fills': got 'no error: "
-                r"masked_fill just writes -inf'; hint: .+\)", how="after"),
+        fails_first_or_named(
+            r"'\(b\) s\.masked_fill\(~allowed, fill\) \(dtype=float16, [^']+\)': your "
+            r"'masked_fill' is not one of the options 'error', 'fills': got 'no error: "
+            r"masked_fill just writes -inf'; hint: .+\)"), how="after"),
     # ch02: the softmax family, refused by ch02.stable_softmax's allowlist and names
     "torch_softmax": Attack(
         "issue 8: torch.softmax", "02_a", "ch02-stable_softmax", TORCH_SOFTMAX,
@@ -742,8 +748,9 @@ def _params():
 @pytest.mark.parametrize("name", _params())
 def test_an_attack_scores_0_with_a_reason_that_names_it(graded, name):
     """Each attack of ``ATTACKS`` (its ``what`` says which of issue 8 or 18): the attacked
-    exercise scores 0 (an answer in parts: 0 for the parts attacked), its reason names the attack (a banned call by the name the student
-    used), and the notebook carries the attack's flags."""
+    exercise scores 0 (an answer in parts: 0 for the parts attacked), its reason names the
+    attack (a banned call by the name the student used), and the notebook carries the attack's
+    flags."""
     attack = ATTACKS[name]
     grade, attacked = _attacked(graded, attack)
     # an answer in parts keeps the parts the attack left alone, and only those
