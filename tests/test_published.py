@@ -1,0 +1,83 @@
+"""The table of published configurations: well formed, and consistent with the arithmetic the
+chapters do with it (a typo in a figure breaks one of these identities)."""
+
+import math
+
+import pytest
+
+from course_attn import published
+from course_attn.published import FACTS, config, value
+
+
+def test_every_fact_names_its_source_once():
+    keys = [(f.model, f.field) for f in FACTS]
+    assert len(keys) == len(set(keys)), "a (model, field) appears twice"
+    for fact in FACTS:
+        assert fact.source.strip(), fact
+        assert ("config.json" in fact.source or "section" in fact.source
+                or "table" in fact.source), f"{fact}: name the section, table or config file"
+
+
+def test_lookups_refuse_what_the_table_does_not_hold():
+    with pytest.raises(KeyError, match="no published configuration"):
+        config("GPT-5")
+    with pytest.raises(KeyError, match="has no 'window'"):
+        value("Llama 3 8B", "window")
+    assert "table 1" in published.source("Mistral 7B", "sliding_window")
+
+
+@pytest.mark.parametrize("model", ["Llama 2 7B", "Llama 3 8B", "Mistral 7B"])
+def test_head_size_is_hidden_over_heads(model):
+    c = config(model)
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    assert head_dim * c["num_attention_heads"] == c["hidden_size"] and head_dim == 128
+    assert c.get("head_dim", head_dim) == head_dim
+
+
+def test_falcon_heads_are_64_wide():
+    c = config("Falcon-7B")
+    assert c["hidden_size"] == 64 * c["n_head"] and c["multi_query"]
+
+
+def test_llama_parameter_counts_match_their_names():
+    for model, lo, hi in [("Llama 2 7B", 6.5e9, 7.0e9), ("Llama 3 8B", 8.0e9, 8.1e9)]:
+        c = config(model)
+        C, H, Hkv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+        D = C // H
+        attention = 2 * C * H * D + 2 * C * Hkv * D
+        mlp = 3 * C * c["intermediate_size"]
+        params = 2 * c["vocab_size"] * C + c["num_hidden_layers"] * (attention + mlp + 2 * C) + C
+        assert lo < params < hi, (model, params)
+
+
+def test_kv_cache_ratios_the_chapters_print():
+    def per_token(model):
+        c = config(model)
+        layers = c.get("num_hidden_layers", c.get("n_layer"))
+        kv_heads = 1 if c.get("multi_query") else c["num_key_value_heads"]
+        heads = c.get("num_attention_heads", c.get("n_head"))
+        return 2 * layers * kv_heads * (c["hidden_size"] // heads)
+
+    assert per_token("Llama 2 7B") == 4 * per_token("Llama 3 8B") == 4 * per_token("Mistral 7B")
+    assert per_token("Llama 2 7B") == 64 * per_token("Falcon-7B")
+    ds = config("DeepSeek-V2")
+    # DeepSeek-V2, section 3.1.2: the cache of GQA with 2.25 groups, d_c + d_h^R = 4.5 d_h
+    assert ds["kv_lora_rank"] + ds["qk_rope_head_dim"] == 4.5 * ds["qk_nope_head_dim"]
+
+
+def test_context_extensions():
+    # Llama 3.1 rescales the frequencies of Llama 3 (trained at 8K) and serves 128K: the factor
+    # alone would stretch 8K to 64K, so the rescaling is not the whole story (it was trained on)
+    c = config("Llama 3.1 8B")
+    assert c["rope_scaling.original_max_position_embeddings"] == value(
+        "Llama 3 8B", "max_position_embeddings")
+    assert c["rope_scaling.factor"] * c["rope_scaling.original_max_position_embeddings"] == \
+        c["max_position_embeddings"] // 2
+    assert c["rope_theta"] == value("Llama 3 8B", "rope_theta")
+    # Mistral's paper: with W = 4096 and 32 layers the span is about 131K tokens (section 2)
+    span = value("Mistral 7B", "sliding_window") * value("Mistral 7B", "num_hidden_layers")
+    assert math.isclose(span, 131_000, rel_tol=0.01)
+    # Gemma: local windows fit inside the context they serve
+    for model in ["Gemma 2", "Gemma 3"]:
+        context = config(model).get("max_position_embeddings") or value(model, "context_length")
+        assert value(model, "sliding_window") < context
