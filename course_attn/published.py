@@ -36,6 +36,7 @@ _DEEPSEEK = "deepseek-ai/DeepSeek-V2 config.json; DeepSeek-AI 2024, section 3.1.
 _GEMMA2 = "google/gemma-2-9b config.json; Gemma Team 2024 (Gemma 2), table 1 and section 2"
 _GEMMA3 = "Gemma Team 2025 (Gemma 3), section 2; google/gemma-3-4b-pt config.json"
 _STREAMING = "Xiao et al. 2024 (StreamingLLM), section 3.3"
+_GQA = "Ainslie et al. 2023 (GQA), section 3.1 (uptraining: alpha = 0.05 of pre-training steps)"
 
 FACTS: tuple[Fact, ...] = (
     # Llama 2 7B: multi-head attention, RoPE at base 10000
@@ -77,6 +78,8 @@ FACTS: tuple[Fact, ...] = (
     Fact("Falcon-7B", "n_head", 71, _FALCON),
     Fact("Falcon-7B", "n_layer", 32, _FALCON),
     Fact("Falcon-7B", "multi_query", True, _FALCON),
+    # GQA's recipe: a multi-head checkpoint mean-pooled to fewer KV heads, then uptrained
+    Fact("GQA", "uptraining_fraction", 0.05, _GQA),
     # DeepSeek-V2: multi-head latent attention
     Fact("DeepSeek-V2", "num_hidden_layers", 60, _DEEPSEEK),
     Fact("DeepSeek-V2", "num_attention_heads", 128, _DEEPSEEK),

@@ -81,3 +81,8 @@ def test_context_extensions():
     for model in ["Gemma 2", "Gemma 3"]:
         context = config(model).get("max_position_embeddings") or value(model, "context_length")
         assert value(model, "sliding_window") < context
+
+
+def test_gqa_uptraining_is_a_small_fraction():
+    # Ainslie et al. uptrain a converted checkpoint for a fraction alpha of its pre-training
+    assert 0 < value("GQA", "uptraining_fraction") < 0.1
