@@ -36,6 +36,7 @@ _DEEPSEEK = "deepseek-ai/DeepSeek-V2 config.json; DeepSeek-AI 2024, section 3.1.
 _GEMMA2 = "google/gemma-2-9b config.json; Gemma Team 2024 (Gemma 2), table 1 and section 2"
 _GEMMA3 = "Gemma Team 2025 (Gemma 3), section 2; google/gemma-3-4b-pt config.json"
 _STREAMING = "Xiao et al. 2024 (StreamingLLM), section 3.3"
+_GPT2 = "openai-community/gpt2 config.json"
 _GQA = "Ainslie et al. 2023 (GQA), section 3.1 (uptraining: alpha = 0.05 of pre-training steps)"
 
 FACTS: tuple[Fact, ...] = (
@@ -101,6 +102,12 @@ FACTS: tuple[Fact, ...] = (
     Fact("Gemma 3 1B", "context_length", 32768, _GEMMA3),
     # StreamingLLM: the attention sinks kept at the start of the cache
     Fact("StreamingLLM", "sink_tokens", 4, _STREAMING),
+    # GPT-2 small (124M): multi-head attention, 12 heads of 64, learned positions up to 1024
+    Fact("GPT-2 small", "n_embd", 768, _GPT2),
+    Fact("GPT-2 small", "n_head", 12, _GPT2),
+    Fact("GPT-2 small", "n_layer", 12, _GPT2),
+    Fact("GPT-2 small", "n_positions", 1024, _GPT2),
+    Fact("GPT-2 small", "vocab_size", 50257, _GPT2),
 )
 
 

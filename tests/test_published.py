@@ -39,6 +39,17 @@ def test_falcon_heads_are_64_wide():
     assert c["hidden_size"] == 64 * c["n_head"] and c["multi_query"]
 
 
+def test_gpt2_small_heads_and_parameter_count():
+    c = config("GPT-2 small")
+    width = c["n_embd"]
+    assert width == 64 * c["n_head"]
+    # tied embeddings; per layer: c_attn (3C² + 3C), c_proj (C² + C), the MLP (8C² + 5C), 2 LayerNorms
+    per_layer = 4 * width**2 + 4 * width + 8 * width**2 + 5 * width + 4 * width
+    total = (c["n_layer"] * per_layer + c["vocab_size"] * width + c["n_positions"] * width
+             + 2 * width)
+    assert round(total / 1e6) == 124                                   # "GPT-2 124M"
+
+
 def test_llama_parameter_counts_match_their_names():
     for model, lo, hi in [("Llama 2 7B", 6.5e9, 7.0e9), ("Llama 3 8B", 8.0e9, 8.1e9)]:
         c = config(model)
