@@ -43,7 +43,7 @@ def test_gpt2_small_heads_and_parameter_count():
     c = config("GPT-2 small")
     width = c["n_embd"]
     assert width == 64 * c["n_head"]
-    # tied embeddings; per layer: c_attn (3C² + 3C), c_proj (C² + C), the MLP (8C² + 5C), 2 LayerNorms
+    # tied embeddings; per layer: c_attn (3C² + 3C), c_proj (C² + C), MLP (8C² + 5C), 2 LayerNorms
     per_layer = 4 * width**2 + 4 * width + 8 * width**2 + 5 * width + 4 * width
     total = (c["n_layer"] * per_layer + c["vocab_size"] * width + c["n_positions"] * width
              + 2 * width)
