@@ -13,7 +13,7 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 # More options for `make lab`, e.g. LAB_ARGS="--no-browser --port=8899".
 LAB_ARGS ?=
 
-.PHONY: test book work lab grade exercises bench clean
+.PHONY: test book book-under-load work lab grade exercises bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ test: book
 book: $(STAMP)
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	@echo "The book is at $(CURDIR)/_build/html/index.html"
+
+## every notebook of the book executed beside two busy processes, each cell timed against the
+## timeout (a cell over a third of it fails: a machine three times slower would time out)
+book-under-load: $(STAMP)
+	$(PY) .ci/book_under_load.py
 
 ## copy a chapter's exercises into work/ (CH=03), or any notebook (NB=path); never overwrites
 work: $(STAMP)
