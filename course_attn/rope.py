@@ -13,6 +13,10 @@ difference, q_m · k_n depends on positions through m - n alone.
 Which channels form a pair is a convention: ``interleaved=False`` pairs channel i with i + D/2
 (GPT-NeoX, Llama in Hugging Face), ``interleaved=True`` pairs 2i with 2i + 1 (RoFormer, Meta's
 Llama, written with complex numbers). Both are the same rotation up to a fixed permutation of D.
+
+``scaled_rope_frequencies`` gives the frequencies that models stretched past their training
+length use instead of θᵢ: position interpolation (every θᵢ / s), NTK-aware (a larger base) and
+Llama 3.1's (long wavelengths / s, short ones kept).
 """
 
 import torch
@@ -20,7 +24,7 @@ from torch import Tensor, nn
 
 from .arguments import check_positive_ints
 
-__all__ = ["RotaryEmbedding", "apply_rotary_emb", "rope_frequencies"]
+__all__ = ["RotaryEmbedding", "apply_rotary_emb", "rope_frequencies", "scaled_rope_frequencies"]
 
 
 def _check_head_dim(head_dim) -> None:
@@ -36,6 +40,56 @@ def rope_frequencies(head_dim: int, base: float = 10000.0, *, device=None) -> Te
         raise ValueError(f"base must be a number > 1, got {base!r}")
     i = torch.arange(head_dim // 2, dtype=torch.float64, device=device)
     return (float(base) ** (-2.0 * i / head_dim)).float()
+
+
+SCALINGS = ("linear", "ntk", "llama3")
+
+
+def _is_number(x) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float))
+
+
+def scaled_rope_frequencies(head_dim: int, base: float = 10000.0, *, kind: str, factor: float,
+                            original_max_len: int | None = None, low_freq_factor: float = 1.0,
+                            high_freq_factor: float = 4.0, device=None) -> Tensor:
+    """The frequencies θᵢ of ``rope_frequencies``, rescaled to stretch the context by ``factor``.
+
+    Shape (D/2,), float32, like ``rope_frequencies(head_dim, base)``. With s = ``factor`` >= 1 and
+    the wavelength λᵢ = 2π/θᵢ of pair i:
+
+    - ``kind="linear"``: position interpolation (Chen et al. 2023), θᵢ / s for every pair; the
+      same as dividing every position by s.
+    - ``kind="ntk"``: "NTK-aware" scaling, the base multiplied by s^(D/(D-2)): pair 0 keeps
+      θ₀ = 1, the last pair is divided by s, and the pairs between by s^(2i/(D-2)).
+    - ``kind="llama3"``: Llama 3.1's rule for a model trained on ``original_max_len`` tokens
+      (L): pairs with λᵢ < L / ``high_freq_factor`` are kept, pairs with
+      λᵢ > L / ``low_freq_factor`` are divided by s, and in between
+      θᵢ' = (1 - γ) θᵢ / s + γ θᵢ with γ = (L/λᵢ - low_freq_factor) /
+      (high_freq_factor - low_freq_factor), which joins the two ends continuously.
+    """
+    theta = rope_frequencies(head_dim, base, device=device)            # checks head_dim, base
+    if kind not in SCALINGS:
+        raise ValueError(f"kind must be one of {SCALINGS}, got {kind!r}")
+    if not _is_number(factor) or not factor >= 1 or factor == float("inf"):
+        raise ValueError(f"factor must be a finite number >= 1, got {factor!r}")
+    if kind == "linear":
+        return theta / factor
+    if kind == "ntk":
+        if head_dim < 4:
+            raise ValueError(f"kind='ntk' keeps the first pair and divides the last by factor: "
+                             f"it needs two pairs, head_dim >= 4, got {head_dim}")
+        return rope_frequencies(head_dim, float(base) * factor ** (head_dim / (head_dim - 2)),
+                                device=device)
+    check_positive_ints(original_max_len=original_max_len)
+    if not (_is_number(low_freq_factor) and _is_number(high_freq_factor)
+            and 0 < low_freq_factor < high_freq_factor < float("inf")):
+        raise ValueError(f"need 0 < low_freq_factor < high_freq_factor, got {low_freq_factor!r} "
+                         f"and {high_freq_factor!r}")
+    theta = theta.double()
+    wavelength = 2 * torch.pi / theta
+    gamma = ((original_max_len / wavelength - low_freq_factor)
+             / (high_freq_factor - low_freq_factor)).clamp(0, 1)   # 1: keep θ; 0: θ / s
+    return ((1 - gamma) * theta / factor + gamma * theta).float()
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,13 +1,16 @@
 """rope.py: RoPE against its definition, Hugging Face's formula, the complex form, and itself."""
 
 import math
+import re
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from course_attn.rope import RotaryEmbedding, apply_rotary_emb, rope_frequencies
+from course_attn import published
+from course_attn.rope import (RotaryEmbedding, apply_rotary_emb, rope_frequencies,
+                               scaled_rope_frequencies)
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 # (rtol, atol) for a result in this dtype against a float64 reference: a few units of its epsilon.
@@ -93,6 +96,115 @@ def test_casting_the_module_keeps_the_angles_float32(device, require_dtype, dtyp
         for got, want in zip(cast(positions), reference(positions)):
             assert got.dtype == torch.float32
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+# --- scaled frequencies: stretching the context -------------------------------------------------
+
+@pytest.mark.parametrize("head_dim, base, factor", [(2, 10000.0, 2), (64, 10000.0, 2.0),
+                                                    (128, 500000.0, 8.0), (8, 100, 3.7)])
+def test_linear_scaling_is_position_interpolation(device, head_dim, base, factor):
+    scaled = scaled_rope_frequencies(head_dim, base, kind="linear", factor=factor, device=device)
+    assert scaled.shape == (head_dim // 2,) and scaled.dtype == torch.float32
+    assert torch.equal(scaled, rope_frequencies(head_dim, base, device=device) / factor)
+    # m · (θ / s) = (m / s) · θ: the same as dividing every position by s
+    m = torch.arange(0, 5000, 7, dtype=torch.float64, device=device)
+    torch.testing.assert_close(m[:, None] * scaled.double(),
+                               (m / factor)[:, None] * (rope_frequencies(head_dim, base)
+                                                        .double().to(device)), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("head_dim, base, factor", [(4, 10000.0, 2), (64, 10000.0, 2.0),
+                                                    (128, 500000.0, 8.0), (10, 100, 3.7)])
+def test_ntk_scaling_keeps_the_fastest_pair_and_divides_the_slowest(head_dim, base, factor):
+    theta = rope_frequencies(head_dim, base).double()
+    scaled = scaled_rope_frequencies(head_dim, base, kind="ntk", factor=factor)
+    assert scaled.shape == (head_dim // 2,) and scaled.dtype == torch.float32
+    assert scaled[0] == 1 == theta[0]
+    torch.testing.assert_close(scaled[-1].double(), theta[-1] / factor, rtol=1e-6, atol=0)
+    i = torch.arange(head_dim // 2, dtype=torch.float64)
+    torch.testing.assert_close(scaled.double(), theta * factor ** (-2 * i / (head_dim - 2)),
+                               rtol=1e-6, atol=0)        # divided by s^(2i/(D-2)), 1 .. s
+
+
+def llama3_reference(theta, factor, low_freq_factor, high_freq_factor, original_max_len):
+    # Llama 3.1's rule, written branch by branch as in Meta's and Hugging Face's code
+    out = []
+    for t in theta.double().tolist():
+        wavelength = 2 * math.pi / t
+        if wavelength < original_max_len / high_freq_factor:
+            out.append(t)
+        elif wavelength > original_max_len / low_freq_factor:
+            out.append(t / factor)
+        else:
+            smooth = ((original_max_len / wavelength - low_freq_factor)
+                      / (high_freq_factor - low_freq_factor))
+            out.append((1 - smooth) * t / factor + smooth * t)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_llama3_scaling_with_llama_31_s_published_settings(device):
+    c = published.config("Llama 3.1 8B")
+    head_dim = (published.value("Llama 3 8B", "hidden_size")
+                // published.value("Llama 3 8B", "num_attention_heads"))
+    factor, low, high = (c["rope_scaling.factor"], c["rope_scaling.low_freq_factor"],
+                         c["rope_scaling.high_freq_factor"])
+    original = c["rope_scaling.original_max_position_embeddings"]
+    theta = rope_frequencies(head_dim, c["rope_theta"]).double()
+    scaled = scaled_rope_frequencies(head_dim, c["rope_theta"], kind="llama3", factor=factor,
+                                     original_max_len=original, low_freq_factor=low,
+                                     high_freq_factor=high, device=device)
+    assert scaled.shape == (head_dim // 2,) and scaled.dtype == torch.float32
+    assert scaled.device.type == torch.device(device).type
+    scaled = scaled.cpu().double()
+    wavelength = 2 * math.pi / theta
+    short, long = wavelength < original / high, wavelength > original / low
+    assert short.any() and long.any() and (~short & ~long).any()     # all three kinds of pairs
+    torch.testing.assert_close(scaled[short], theta[short], rtol=1e-7, atol=0)       # kept
+    torch.testing.assert_close(scaled[long], theta[long] / factor, rtol=1e-7, atol=0)  # / 8
+    ratio = theta / scaled                       # 1 for the fast pairs, 8 for the slow ones
+    assert (ratio.diff() >= -1e-6).all() and (scaled.diff() < 0).all()  # monotone in between
+    torch.testing.assert_close(scaled, llama3_reference(theta, factor, low, high, original),
+                               rtol=1e-6, atol=0)
+
+
+@given(half_dim=st.integers(2, 64), factor=st.floats(1, 64),
+       original=st.integers(1, 100_000), low=st.floats(0.1, 4), gap=st.floats(0.1, 8))
+def test_llama3_scaling_equals_its_definition_and_is_continuous(half_dim, factor, original,
+                                                                low, gap):
+    theta = rope_frequencies(2 * half_dim, 10000.0)
+    scaled = scaled_rope_frequencies(2 * half_dim, kind="llama3", factor=factor,
+                                     original_max_len=original, low_freq_factor=low,
+                                     high_freq_factor=low + gap).double()
+    torch.testing.assert_close(scaled, llama3_reference(theta, factor, low, low + gap, original),
+                               rtol=1e-6, atol=0)
+    assert ((scaled <= theta.double() * (1 + 1e-6))
+            & (scaled >= theta.double() / factor * (1 - 1e-6))).all()  # between θ/s and θ
+
+
+@pytest.mark.parametrize("kind", ["linear", "ntk", "llama3"])
+def test_factor_one_changes_nothing(kind):
+    scaled = scaled_rope_frequencies(64, 10000.0, kind=kind, factor=1, original_max_len=32)
+    torch.testing.assert_close(scaled, rope_frequencies(64, 10000.0), rtol=1e-6, atol=0)
+
+
+def test_bad_scaling_arguments():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        scaled_rope_frequencies(8, kind="yarn", factor=2)
+    for factor in (0.5, 0, -2, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(ValueError, match=f"factor must be a finite number >= 1, got "
+                                             f"{re.escape(repr(factor))}"):
+            scaled_rope_frequencies(8, kind="linear", factor=factor)
+    with pytest.raises(ValueError, match="head_dim >= 4, got 2"):
+        scaled_rope_frequencies(2, kind="ntk", factor=2)
+    with pytest.raises(ValueError, match="original_max_len must be a positive int, got None"):
+        scaled_rope_frequencies(8, kind="llama3", factor=2)
+    with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor, got 4 and 1"):
+        scaled_rope_frequencies(8, kind="llama3", factor=2, original_max_len=32,
+                                low_freq_factor=4, high_freq_factor=1)
+    with pytest.raises(ValueError, match="head_dim must be an even int"):
+        scaled_rope_frequencies(7, kind="linear", factor=2)
+    with pytest.raises(ValueError, match="base must be a number > 1"):
+        scaled_rope_frequencies(8, 1.0, kind="linear", factor=2)
 
 
 # --- the rotation ----------------------------------------------------------------------------
