@@ -4,6 +4,7 @@ generation."""
 
 import copy
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -368,3 +369,55 @@ def test_committed_exercises_equal_a_fresh_generation_of_solutions():
         + "\nMaintainers: run `make exercises` and commit the result. It refuses to overwrite a "
         "notebook that holds a student's work; students, keep yours in work/ "
         "(`make work NB=exercises/NN_topic.ipynb`), where no command overwrites it.")
+
+
+def type_below_the_stub(path: Path) -> int:
+    """A student who types an answer under the stub, keeps `raise NotImplementedError()` and has
+    not run the cell yet (issue 21). Returns the cell's index."""
+    nb = nbformat.read(path, as_version=4)
+    index = next(i for i, c in enumerate(nb.cells) if "raise NotImplementedError()" in c.source)
+    nb.cells[index].source += "\n    half = x.sum(-1)  # my answer, half typed"
+    nbformat.write(nb, path)
+    return index
+
+
+def test_an_answer_typed_around_a_stub_still_there_is_refused(generated_dirs, capsys):
+    solutions, exercises = generated_dirs
+    change_solutions(solutions)
+    path = exercises / "01_a.ipynb"
+    index = type_below_the_stub(path)
+    before = snapshot(exercises)
+    assert run_main("--solutions", solutions, "--exercises", exercises) == 1
+    assert snapshot(exercises) == before
+    grade = nbformat.read(path, 4).cells[index].metadata.nbgrader.grade_id
+    assert f"answers written in cell {index} ({grade})" in capsys.readouterr().err
+
+
+def git(folder: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(folder), *args], check=True, capture_output=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
+
+
+def test_in_a_checkout_any_cell_a_student_wrote_or_added_is_refused(generated_dirs, capsys):
+    """In a git checkout the committed exercise is what generation wrote last: a cell that
+    differs from it and from a fresh generation is someone's, solution cell or not; a notebook
+    that is only out of date (the solutions changed) is regenerated."""
+    solutions, exercises = generated_dirs
+    root = exercises.parent
+    git(root, "init", "-q")
+    git(root, "add", ".")
+    git(root, "commit", "-q", "-m", "generated")
+    change_solutions(solutions)
+    path = exercises / "01_a.ipynb"
+    nb = nbformat.read(path, 4)
+    nb.cells.append(new_markdown_cell("My notes: the mask goes before the softmax."))
+    nbformat.write(nb, path)
+    assert run_main("--solutions", solutions, "--exercises", exercises) == 1
+    err = capsys.readouterr().err
+    assert f"{path}: cell {len(nb.cells) - 1} written or added" in err
+    assert str(exercises / "02_b.ipynb") not in err
+    path.write_bytes(subprocess.run(["git", "-C", str(exercises), "show", "HEAD:./01_a.ipynb"],
+                                    capture_output=True, check=True).stdout)
+    assert run_main("--solutions", solutions, "--exercises", exercises) == 0
+    assert check_exercises(solutions, exercises) == []

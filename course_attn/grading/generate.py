@@ -25,6 +25,7 @@ notebook and says how to keep the work in ``work/`` (exit status 1); ``--force``
 
 import argparse
 import copy
+import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
@@ -219,15 +220,32 @@ def _cells(indices: list[int]) -> str:
     return ("cell " if len(indices) == 1 else "cells ") + ", ".join(map(str, indices))
 
 
-def student_edits(path: Path, *, generated: bool = True) -> list[str]:
+def _committed(path: Path):
+    """The notebook at ``path`` as git's HEAD holds it (what `make exercises` last wrote there
+    and was committed), or None outside a git checkout or for an untracked file."""
+    try:
+        shown = subprocess.run(["git", "-C", str(path.parent), "show", f"HEAD:./{path.name}"],
+                               capture_output=True, text=True, timeout=30)
+        return nbformat.reads(shown.stdout, as_version=4) if shown.returncode == 0 else None
+    except Exception:  # no git, or not a notebook there
+        return None
+
+
+def student_edits(path: Path, *, generated: bool = True, expected: str | None = None) -> list[str]:
     """Why the exercise notebook at ``path`` looks like it holds a student's work ([] if not).
 
-    A generated exercise has no outputs and no execution counts, and each of its solution cells
-    holds the stub (``raise NotImplementedError()``, ``YOUR ANSWER HERE``); a code cell that was
-    run or a solution cell without its stub is a student's. With ``generated=False`` (a notebook
-    that no solution notebook generates), one with no exercise cell at all is someone's own too.
-    A file that is not a readable notebook holds nothing Jupyter could have saved: [].
-    Cells are numbered from 0, as in the JSON.
+    A generated exercise has no outputs and no execution counts: a code cell that was run is a
+    student's. A cell is someone's writing when it differs from what generation writes there now
+    (``expected``, the text of a fresh generation) and from the committed file (git's HEAD, what
+    generation wrote last), or when neither has a cell of its id: so an answer typed around a
+    stub that is still there counts, and a notebook that is only out of date does not. Outside a
+    git checkout only solution cells are compared (a maintainer's change to the text around
+    them would look like a student's). Without ``expected`` or a solution cell to compare with,
+    a solution cell that no longer holds its stub (``raise NotImplementedError()``,
+    ``YOUR ANSWER HERE``) is a student's. With ``generated=False`` (a notebook that no solution
+    notebook generates), one with no exercise cell at all is someone's own too. A file that is
+    not a readable notebook holds nothing Jupyter could have saved: []. Cells are numbered from
+    0, as in the JSON.
     """
     try:
         nb = nbformat.reads(path.read_text(encoding="utf-8"), as_version=4)
@@ -238,11 +256,26 @@ def student_edits(path: Path, *, generated: bool = True) -> list[str]:
            and (cell.get("outputs") or cell.get("execution_count") is not None)]
     if ran:
         reasons.append(f"{_cells(ran)} ran (outputs or execution counts)")
-    answered = [i for i, cell in enumerate(nb.cells) if is_solution_cell(cell)
-                and not _holds_stub(cell)]
-    if answered:
-        names = ", ".join(grade_id(nb.cells[i]) or str(i) for i in answered)
-        reasons.append(f"answers written in {_cells(answered)} ({names})")
+    baselines = [] if expected is None else [nbformat.reads(expected, as_version=4)]
+    committed = _committed(path)
+    baselines += [committed] if committed is not None else []
+    known = [{cell.get("id"): cell.source for cell in baseline.cells} for baseline in baselines]
+
+    def written(cell) -> bool:
+        if not known:
+            return is_solution_cell(cell) and not _holds_stub(cell)
+        if committed is None and not is_solution_cell(cell):
+            return False
+        return all(sources.get(cell.get("id")) != cell.source for sources in known)
+
+    answered = [i for i, cell in enumerate(nb.cells) if i not in ran and written(cell)]
+    solutions = [i for i in answered if is_solution_cell(nb.cells[i])]
+    others = [i for i in answered if i not in solutions]
+    if solutions:
+        names = ", ".join(grade_id(nb.cells[i]) or str(i) for i in solutions)
+        reasons.append(f"answers written in {_cells(solutions)} ({names})")
+    if others:
+        reasons.append(f"{_cells(others)} written or added")
     if not generated and not any(nbgrader_metadata(cell) for cell in nb.cells):
         reasons.append("no exercise cell: a notebook of someone's own")
     return reasons
@@ -272,7 +305,8 @@ def _generate(solutions_dir: Path, exercises_dir: Path,
     stale = _stale_exercises(expected, exercises_dir)
     if not force:
         edited = {path: why for path in [*changed, *stale] if path.is_file()
-                  and (why := student_edits(path, generated=path in expected))}
+                  and (why := student_edits(path, generated=path in expected,
+                                            expected=expected.get(path)))}
         if edited:
             raise StudentWorkError(edited)
     exercises_dir.mkdir(parents=True, exist_ok=True)
@@ -307,7 +341,7 @@ def check_exercises(solutions_dir: Path | str, exercises_dir: Path | str) -> lis
         if not path.is_file():
             problems.append(f"{path}: missing")
         elif path.read_bytes() != text.encode("utf-8"):
-            why = student_edits(path)
+            why = student_edits(path, expected=text)
             problems.append(f"{path}: " + (_student_work(path, why) if why
                                            else "differs from a fresh generation"))
     for path in _stale_exercises(expected, exercises_dir):
