@@ -439,20 +439,21 @@ def _visit_other_threads(visit) -> None:
     """Have every other thread of this interpreter call ``visit()`` once, the next time it runs
     Python code: a one-shot profiler, which first puts that thread's own profiler back. (Torch
     keeps its modes per thread; a thread the submission started before the call, such as a
-    pool's worker, would otherwise run unchecked.) Python 3.12 and later set every thread's
-    profiler at once; 3.10 and 3.11 through CPython's C API, on each thread's state."""
-    if hasattr(threading, "setprofile_all_threads"):
-        mine, for_new_threads = sys.getprofile(), threading.getprofile()
-
-        def once(frame, event, arg):
-            sys.setprofile(None)  # 3.12 gives no way to read what another thread had
-            visit()
-        threading.setprofile_all_threads(once)
-        threading.setprofile(for_new_threads)
-        sys.setprofile(mine)
-        return
+    pool's worker, would otherwise run unchecked.) Through CPython's C API, on each thread's
+    state: Python has no call that reads another thread's profiler (3.12's
+    ``threading.setprofile_all_threads`` only overwrites them all). On an interpreter whose
+    thread state this code does not know, every other thread's profiler is set and cleared."""
     found = _c_api()
     if found is None:
+        if hasattr(threading, "setprofile_all_threads"):
+            mine, for_new_threads = sys.getprofile(), threading.getprofile()
+
+            def once(frame, event, arg):
+                sys.setprofile(None)
+                visit()
+            threading.setprofile_all_threads(once)
+            threading.setprofile(for_new_threads)
+            sys.setprofile(mine)
         return
     api, layout = found
     mine = sys.getprofile()
@@ -509,10 +510,34 @@ class _ThreadState311(ctypes.Structure):  # the head of CPython 3.11's PyThreadS
                 ("c_traceobj", ctypes.c_void_p)]
 
 
+class _ThreadState312(ctypes.Structure):  # the head of CPython 3.12's PyThreadState
+    _fields_ = [("prev", ctypes.c_void_p), ("next", ctypes.c_void_p),
+                ("interp", ctypes.c_void_p), ("_status", ctypes.c_uint),
+                ("py_recursion_remaining", ctypes.c_int), ("py_recursion_limit", ctypes.c_int),
+                ("c_recursion_remaining", ctypes.c_int), ("recursion_headroom", ctypes.c_int),
+                ("tracing", ctypes.c_int), ("what_event", ctypes.c_int),
+                ("cframe", ctypes.c_void_p), ("c_profilefunc", ctypes.c_void_p),
+                ("c_tracefunc", ctypes.c_void_p), ("c_profileobj", ctypes.c_void_p),
+                ("c_traceobj", ctypes.c_void_p)]
+
+
+class _ThreadState313(ctypes.Structure):  # the head of CPython 3.13's PyThreadState
+    _fields_ = [("prev", ctypes.c_void_p), ("next", ctypes.c_void_p),
+                ("interp", ctypes.c_void_p), ("eval_breaker", ctypes.c_void_p),
+                ("_status", ctypes.c_uint), ("_whence", ctypes.c_int), ("state", ctypes.c_int),
+                ("py_recursion_remaining", ctypes.c_int), ("py_recursion_limit", ctypes.c_int),
+                ("c_recursion_remaining", ctypes.c_int), ("recursion_headroom", ctypes.c_int),
+                ("tracing", ctypes.c_int), ("what_event", ctypes.c_int),
+                ("current_frame", ctypes.c_void_p), ("c_profilefunc", ctypes.c_void_p),
+                ("c_tracefunc", ctypes.c_void_p), ("c_profileobj", ctypes.c_void_p),
+                ("c_traceobj", ctypes.c_void_p)]
+
+
 def _c_api():
     """CPython's functions for walking thread states and setting their profiler, and the
-    layout of a thread state; None where this is not CPython 3.10 or 3.11."""
-    layout = {(3, 10): _ThreadState310, (3, 11): _ThreadState311}.get(sys.version_info[:2])
+    layout of a thread state; None where this is not CPython 3.10 to 3.13."""
+    layout = {(3, 10): _ThreadState310, (3, 11): _ThreadState311, (3, 12): _ThreadState312,
+              (3, 13): _ThreadState313}.get(sys.version_info[:2])
     if layout is None or sys.implementation.name != "cpython":
         return None
     try:
