@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     failures, start = [], time.perf_counter()
     print(f"{len(notebooks)} notebooks, {args.busy} busy processes beside them, "
           f"per-cell timeout {timeout} s; a cell over {timeout / 3:.0f} s fails")
-    print(f"{'notebook':<34} {'seconds':>8} {'slowest cell':>13} {'its seconds':>12}")
+    print(f"{'notebook':<38} {'seconds':>8} {'slowest cell':>13} {'its seconds':>12}")
     try:
         for path in notebooks:
             name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
@@ -98,10 +98,10 @@ def main(argv=None) -> int:
                 seconds, index, slowest = run(path, timeout)
             except Exception as error:  # a cell raised or timed out: report it, go on
                 failures.append(f"{name}: {type(error).__name__}: {str(error)[-300:]}")
-                print(f"{name:<34} {'failed':>8}")
+                print(f"{name:<38} {'failed':>8}")
                 continue
             mark = "  <- over a third of the timeout" if slowest > timeout / 3 else ""
-            print(f"{name:<34} {seconds:>8.1f} {index:>13} {slowest:>12.1f}{mark}", flush=True)
+            print(f"{name:<38} {seconds:>8.1f} {index:>13} {slowest:>12.1f}{mark}", flush=True)
             if mark:
                 failures.append(f"{name}: cell {index} took {slowest:.0f} s of the {timeout} s "
                                 f"timeout; a machine three times slower would time out")
