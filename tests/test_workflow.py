@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,30 @@ def test_workflow_publishes_the_built_book_to_pages_on_push_to_main(workflow):
     assert deploy_job["needs"] == job_name
     assert "refs/heads/main" in deploy_job["if"]
     assert deploy_job["permissions"] == {"pages": "write", "id-token": "write"}
+
+
+@pytest.mark.parametrize("workflow", WORKFLOWS, ids=lambda p: p.name)
+def test_workflow_tests_the_oldest_and_newest_python_and_torch(workflow):
+    """The package and the grader run on the oldest Python and torch that pyproject.toml
+    allows, and on the newest Python with the pinned torch (issue 21)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    oldest_python = re.fullmatch(r">=\s*(3\.\d+)", project["requires-python"]).group(1)
+    [torch_spec] = [d for d in project["dependencies"] if d.startswith("torch")]
+    oldest_torch = re.fullmatch(r"torch>=\s*([\d.]+)", torch_spec).group(1)
+    pinned = re.search(r"^torch==([\d.]+)", (ROOT / "requirements.txt").read_text(), re.M).group(1)
+    cells = [(str(c["python"]), str(c["torch"])) for job in load(workflow)["jobs"].values()
+             for c in job.get("strategy", {}).get("matrix", {}).get("include", [])]
+    assert any(p == oldest_python and t.startswith(oldest_torch) for p, t in cells), cells
+    assert any(p == "3.13" and t == pinned for p, t in cells), cells
+
+
+@pytest.mark.parametrize("workflow", WORKFLOWS, ids=lambda p: p.name)
+def test_workflow_keeps_the_notebooks_execution_cache_per_package(workflow):
+    steps = [s for job in load(workflow)["jobs"].values() for s in job.get("steps", [])
+             if s.get("uses", "").startswith("actions/cache@")]
+    [cache] = [s for s in steps if s["with"]["path"] == "_build/.jupyter_cache"]
+    # a cache from another version of the package is never restored: jupyter-cache only
+    # knows the notebooks, and would keep outputs the package no longer gives
+    assert "course_attn/**" in cache["with"]["key"]
+    assert all("course_attn/**" in line for line in cache["with"]["restore-keys"].split("\n")
+               if line.strip())
