@@ -1,6 +1,8 @@
-"""Helpers that every chapter's exercises share: seeded inputs, and comparisons that explain a
-wrong answer to a student (each raises AssertionError with the message)."""
+"""Helpers that every chapter's exercises share: seeded inputs, comparisons that explain a
+wrong answer to a student (each raises AssertionError with the message), and typical mistakes
+made of a reference's answers."""
 
+import inspect
 import math
 
 import torch
@@ -193,3 +195,19 @@ def count_questions(questions: dict, *, rel_tol: float = 1e-9, near_miss: bool =
         return f"your {key!r} is {direction}"
 
     return Questions(questions, same=same, wrong=wrong)
+
+
+def answers_changed(reference, changes: dict, *, sizes=None):
+    """A typical mistake in a derive or predict exercise, with ``reference``'s signature: the
+    reference's answers (a dict) with the entry of each key of ``changes`` computed another way,
+    ``changes[key](**named)``. ``named``: the arguments by their names in ``reference``, or
+    ``sizes(**arguments)`` when given (to rename them, or to add one derived from them)."""
+    signature = inspect.signature(reference)
+
+    def mistake(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        named = dict(bound.arguments) if sizes is None else sizes(**bound.arguments)
+        return {**reference(*bound.args, **bound.kwargs),
+                **{key: rule(**named) for key, rule in changes.items()}}
+    return mistake

@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..attention import scaled_dot_product_attention, softmax
-from .cases import expect_close_tensor, expect_tensor, randn
+from .cases import answers_changed, expect_close_tensor, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
 from .operations import ELEMENTARY, NO_LIBRARY_ATTENTION, NO_LIBRARY_SOFTMAX, SOFTMAX
 
@@ -330,12 +330,13 @@ def expect_cost(actual, expected, case=None):
 
 
 def _cost(**wrong):
-    """A typical mistake: the reference with some of its entries computed another way."""
-    def fn(b, h, tq, tk, d, dv, bytes_per_element):
-        cost = attention_cost_reference(b, h, tq, tk, d, dv, bytes_per_element)
-        sizes = dict(b=b, h=h, tq=tq, tk=tk, d=d, dv=dv, e=bytes_per_element)
-        return {**cost, **{key: rule(**sizes) for key, rule in wrong.items()}}
-    return fn
+    """A typical mistake: the reference with some of its entries computed another way, each
+    rule a function of b, h, tq, tk, d, dv and e (bytes per element)."""
+    return answers_changed(attention_cost_reference, wrong, sizes=_cost_sizes)
+
+
+def _cost_sizes(b, h, tq, tk, d, dv, bytes_per_element):
+    return dict(b=b, h=h, tq=tq, tk=tk, d=d, dv=dv, e=bytes_per_element)
 
 
 def _only_if_d_is_dv(fn):

@@ -30,7 +30,8 @@ import torch
 
 from ..attention import scaled_dot_product_attention
 from ..multihead import merge_heads, split_heads
-from .cases import count_questions, expect_close_tensor, expect_tensor, expect_tensors, randn
+from .cases import (answers_changed, count_questions, expect_close_tensor, expect_tensor,
+                    expect_tensors, randn)
 from .exercise import Case, Exercise, Mistake, register
 from .operations import ELEMENTARY, NONE, NO_LIBRARY_ATTENTION, SOFTMAX
 
@@ -325,11 +326,8 @@ COSTS = count_questions(COST_QUESTIONS)
 def _costing(**wrong):
     """A typical mistake: the right counts with these ones computed another way, each rule a
     function of C, H, T and D = C / H."""
-    def fn(C, H, T):
-        sizes = dict(C=C, H=H, T=T, D=C // H)
-        return {**mha_cost_reference(C, H, T),
-                **{k: rule(**sizes) for k, rule in wrong.items()}}
-    return fn
+    return answers_changed(mha_cost_reference, wrong,
+                           sizes=lambda C, H, T: dict(C=C, H=H, T=T, D=C // H))
 
 
 register(Exercise(

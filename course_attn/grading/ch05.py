@@ -32,7 +32,7 @@ import math
 import torch
 
 from ..rope import apply_rotary_emb
-from .cases import Questions, as_number, expect_close_tensor, expect_tensor, randn
+from .cases import Questions, answers_changed, as_number, expect_close_tensor, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
 from .operations import ELEMENTARY, NONE
 
@@ -360,12 +360,12 @@ def _letter(candidates, m, n, wanted):
 
 def _predicting(**wrong):
     """A typical wrong prediction: the right answers, with each key of ``wrong`` replaced by
-    ``wrong[key](head_dim, base, m, n, candidates)``."""
-    def fn(head_dim, base, m, n, candidates):
-        right = rope_predictions_reference(head_dim, base, m, n, candidates)
-        return {**right, **{key: answer(head_dim, base, m, n, candidates)
-                            for key, answer in wrong.items()}}
-    return fn
+    ``wrong[key](d=head_dim, base=, m=, n=, candidates=)``."""
+    return answers_changed(rope_predictions_reference, wrong, sizes=_prediction_sizes)
+
+
+def _prediction_sizes(head_dim, base, m, n, candidates):
+    return dict(d=head_dim, base=base, m=m, n=n, candidates=candidates)
 
 
 def _other_difference(m, n, m2, n2):
@@ -385,17 +385,17 @@ register(Exercise(
     mistakes=(
         Mistake("you took the slowest pair's angle per token for its wavelength: a pair turning "
                 "by θ per token needs 2π/θ tokens for a full turn",
-                _predicting(slowest_wavelength=lambda d, base, *_: base ** (-(d - 2) / d))),
+                _predicting(slowest_wavelength=lambda d, base, **_: base ** (-(d - 2) / d))),
         Mistake("you took the wavelength of a pair with θ = 1/base: the last pair is "
                 "i = D/2 - 1, so θ = base^(-(D-2)/D), a little faster than 1/base",
-                _predicting(slowest_wavelength=lambda d, base, *_: 2 * math.pi * base)),
+                _predicting(slowest_wavelength=lambda d, base, **_: 2 * math.pi * base)),
         Mistake("you forgot the 2π: a full turn is 2π radians, not 1",
-                _predicting(slowest_wavelength=lambda d, base, *_: base ** ((d - 2) / d))),
+                _predicting(slowest_wavelength=lambda d, base, **_: base ** ((d - 2) / d))),
         Mistake("you rotated by -θ (or took n - m the other way round): q_m · k_n = "
                 "q · R((n - m)θ) k, and here the sign of the angle matters",
-                _predicting(score=lambda d, base, m, n, _: math.sin(n - m))),
+                _predicting(score=lambda d, base, m, n, **_: math.sin(n - m))),
         Mistake("you did not rotate: the score of q and k rotated by different angles is not "
-                "q · k", _predicting(score=lambda *_: 0.0)),
+                "q · k", _predicting(score=lambda **_: 0.0)),
         Mistake("the difference m - n has a sign: for general q and k the score at n - m "
                 "differs from the one at m - n",
                 _predicting(same_score=lambda d, base, m, n, candidates: _letter(

@@ -32,7 +32,7 @@ import torch
 from ..attention import scaled_dot_product_attention
 from ..masks import causal_mask
 from ..norm import rms_norm
-from .cases import Questions, as_number, expect_tensor, randn
+from .cases import Questions, answers_changed, as_number, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
 from .operations import ELEMENTARY, NONE, NO_LIBRARY_ATTENTION, SOFTMAX
 
@@ -476,12 +476,10 @@ LIMITS = Questions(LIMIT_QUESTIONS,
 
 def _answering(**wrong):
     """A typical wrong answer: the right answers, with each key of ``wrong`` replaced by
-    ``wrong[key](D, T, q_gain, k_gain, weight)``."""
-    def fn(D, T, q_gain, k_gain, weight):
-        right = qk_norm_limits_reference(D, T, q_gain, k_gain, weight)
-        return {**right, **{key: answer(D, T, q_gain, k_gain, weight)
-                            for key, answer in wrong.items()}}
-    return fn
+    ``wrong[key](D=, T=, qg=q_gain, kg=k_gain, w=weight)``."""
+    return answers_changed(qk_norm_limits_reference, wrong,
+                           sizes=lambda D, T, q_gain, k_gain, weight: dict(
+                               D=D, T=T, qg=q_gain, kg=k_gain, w=weight))
 
 
 register(Exercise(
@@ -492,19 +490,19 @@ register(Exercise(
     mistakes=(
         Mistake("you forgot the 1/sqrt(D) of the scores: the dot product of two normalised "
                 "vectors is at most D, and the score is that over sqrt(D)",
-                _answering(max_score=lambda D, *_: float(D))),
+                _answering(max_score=lambda D, **_: float(D))),
         Mistake("you took a normalised vector to have norm 1 (a cosine): RMSNorm makes the RMS "
-                "1, so the norm is sqrt(D)", _answering(max_score=lambda D, *_: 1 / math.sqrt(D))),
+                "1, so the norm is sqrt(D)", _answering(max_score=lambda D, **_: 1 / math.sqrt(D))),
         Mistake("you took a normalised vector to have norm 1 (a cosine): RMSNorm makes the RMS "
-                "1, so the norm is sqrt(D)", _answering(max_score=lambda *_: 1.0)),
+                "1, so the norm is sqrt(D)", _answering(max_score=lambda **_: 1.0)),
         Mistake("you left the other keys at score 0: the bound lets each of them go down to "
                 "-sqrt(D), which makes the winning key's weight larger",
-                _answering(max_weight=lambda D, T, *_: _max_weight(D, T, others=0.0),
+                _answering(max_weight=lambda D, T, **_: _max_weight(D, T, others=0.0),
                            gain_for_weight=lambda D, T, qg, kg, w: _gain_for(w, D, T,
                                                                              spread=1.0))),
         Mistake("you counted T other keys: the winning key is one of the T, so T - 1 others "
                 "compete with it",
-                _answering(max_weight=lambda D, T, *_: _max_weight(D, T, competitors=T),
+                _answering(max_weight=lambda D, T, **_: _max_weight(D, T, competitors=T),
                            gain_for_weight=lambda D, T, qg, kg, w: _gain_for(w, D, T,
                                                                              competitors=T))),
         Mistake("you multiplied the largest gain of q by the largest gain of k: the gains meet "

@@ -28,7 +28,7 @@ import torch
 
 from ..attention import repeat_kv, scaled_dot_product_attention
 from ..masks import causal_mask
-from .cases import Questions, as_number, expect_tensor, randn
+from .cases import Questions, answers_changed, as_number, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
 from .operations import ELEMENTARY, NONE, NO_LIBRARY_ATTENTION, SOFTMAX
 
@@ -415,13 +415,7 @@ ANSWERS = Questions(QUESTIONS, same=lambda key, actual, expected: _same_number(a
 def _answering(key, wrong):
     """A typical wrong answer: the right answers, with the one of ``key`` computed by
     ``wrong(sizes)`` (``sizes``: the keyword arguments, as a dict)."""
-    def fn(layers, heads, kv_heads, head_dim, bytes_per_element, query_head, cache_gib,
-           latent_dim, rope_dim):
-        sizes = dict(layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                     bytes_per_element=bytes_per_element, query_head=query_head,
-                     cache_gib=cache_gib, latent_dim=latent_dim, rope_dim=rope_dim)
-        return {**cache_questions_reference(**sizes), key: wrong(sizes)}
-    return fn
+    return answers_changed(cache_questions_reference, {key: lambda **sizes: wrong(sizes)})
 
 
 register(Exercise(

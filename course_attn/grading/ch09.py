@@ -41,8 +41,8 @@ import torch
 from ..attention import softmax
 from ..flash import merge_attention_states
 from ..masks import causal_mask, sliding_window_mask
-from .cases import (as_number, count_questions, expect_close_tensor, expect_tensor, expect_tensors,
-                    randn, random_mask)
+from .cases import (answers_changed, as_number, count_questions, expect_close_tensor, expect_tensor,
+                    expect_tensors, randn, random_mask)
 from .exercise import Case, Exercise, Mistake, register
 from .operations import (ELEMENTARY, NO_LIBRARY_ATTENTION, NO_LIBRARY_MASKS, NO_LIBRARY_SOFTMAX,
                          NONE, SOFTMAX)
@@ -554,8 +554,8 @@ COUNTS = count_questions(COUNT_QUESTIONS)
 
 def _with(key, **rule):
     """A typical wrong answer: the right counts, with ``key`` counted by ``rule``."""
-    return lambda T, block, W, D: {**flash_counts_reference(T, block, W, D),
-                                   key: _counts(T, block, W, D, **rule)[key]}
+    return answers_changed(flash_counts_reference,
+                           {key: lambda **sizes: _counts(**sizes, **rule)[key]})
 
 
 FLOOR = ("you counted whole blocks only (T // block): a partial last block holds queries and "

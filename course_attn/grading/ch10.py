@@ -34,7 +34,8 @@ import math
 import torch
 
 from ..linear import EPS, LinearAttentionState, elu_features
-from .cases import Questions, as_number, count_questions, expect_tensor, expect_tensors, randn
+from .cases import (Questions, answers_changed, as_number, count_questions, expect_tensor,
+                    expect_tensors, randn)
 from .exercise import Case, Exercise, Mistake, register
 from .operations import ELEMENTARY, ELU, NONE, NO_LIBRARY_ATTENTION, SOFTMAX
 
@@ -315,11 +316,9 @@ COSTS = count_questions(COST_QUESTIONS, rel_tol=1e-12, near_miss=True)
 def _answering(**wrong):
     """A typical wrong answer: the right ones, with these keys computed by these rules (from
     the sizes, and F = features)."""
-    def fn(T, D, features, L, H, nbytes):
-        sizes = dict(T=T, D=D, F=features, L=L, H=H, nbytes=nbytes)
-        return {**linear_costs_reference(T, D, features, L, H, nbytes),
-                **{key: rule(**sizes) for key, rule in wrong.items()}}
-    return fn
+    return answers_changed(linear_costs_reference, wrong,
+                           sizes=lambda T, D, features, L, H, nbytes: dict(
+                               T=T, D=D, F=features, L=L, H=H, nbytes=nbytes))
 
 
 def _costs_with(**rule):
@@ -641,11 +640,9 @@ TRENDS = Questions(TREND_QUESTIONS, same=_same_trend, wrong=_wrong_trend)
 
 def _predicting(**wrong):
     """A typical wrong prediction: the right answers, with each key of ``wrong`` replaced by
-    ``wrong[key](n_pairs, few, many)``."""
-    def fn(n_pairs, few, many):
-        return {**recall_predictions_reference(n_pairs, few, many),
-                **{key: rule(n_pairs, few, many) for key, rule in wrong.items()}}
-    return fn
+    ``wrong[key](n=n_pairs, few=, many=)``."""
+    return answers_changed(recall_predictions_reference, wrong,
+                           sizes=lambda n_pairs, few, many: dict(n=n_pairs, few=few, many=many))
 
 
 register(Exercise(
@@ -659,20 +656,20 @@ register(Exercise(
     mistakes=(
         Mistake("for unit keys, more features always help: with D' much smaller than N the "
                 "crosstalk is large, and it falls as D' grows past N",
-                _predicting(unit=lambda *_: "stays far below 1")),
+                _predicting(unit=lambda **_: "stays far below 1")),
         Mistake("with D' already several times N, random unit keys are nearly orthogonal from "
                 "the start: there is little left to gain",
-                _predicting(unit=lambda *_: "rises toward 1")),
+                _predicting(unit=lambda **_: "rises toward 1")),
         Mistake("with D' much smaller than N, unit keys cannot be nearly orthogonal: the "
                 "accuracy starts well below 1",
-                _predicting(unit=lambda *_: "stays near 1")),
+                _predicting(unit=lambda **_: "stays near 1")),
         Mistake("elu features are not random unit keys: every coordinate is positive, so "
                 "every stored pair adds a positive score to every read, however wide D' is",
                 _predicting(elu=lambda n, few, many: "rises toward 1" if few < 2 * n
                             else "stays near 1")),
         Mistake("more features never add crosstalk: the accuracy does not fall as D' grows",
-                _predicting(unit=lambda *_: "falls")),
+                _predicting(unit=lambda **_: "falls")),
         Mistake("more features never add crosstalk: the accuracy does not fall as D' grows",
-                _predicting(elu=lambda *_: "falls")),
+                _predicting(elu=lambda **_: "falls")),
     ),
 ))

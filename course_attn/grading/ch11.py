@@ -35,7 +35,7 @@ import torch
 
 from ..attention import scaled_dot_product_attention
 from ..masks import query_key_offsets, sliding_window_mask
-from .cases import count_questions, as_number, expect_tensor, randn
+from .cases import answers_changed, as_number, count_questions, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
 from .operations import (ELEMENTARY, NONE, NO_LIBRARY_ATTENTION, NO_LIBRARY_MASKS, SOFTMAX,
                          SOFTMAX_BACKWARD)
@@ -337,19 +337,16 @@ def _budget_with(**rule):
 def _chained(reach_of_w, keys):
     """A typical wrong answer: the right ones, with ``keys`` (of "reach" and "layers_to_cover")
     computed from a wrong reach of L layers, ``reach_of_w(W)(L)``."""
-    def fn(T, W, L, H, H_kv, D, nbytes):
-        wrong = _budget(T, W, L, H, H_kv, D, nbytes, reach_fn=reach_of_w(W))
-        return {**window_budget_reference(T, W, L, H, H_kv, D, nbytes),
-                **{key: wrong[key] for key in keys}}
-    return fn
+    def chained(key):
+        return lambda **sizes: _budget(**sizes, reach_fn=reach_of_w(sizes["W"]))[key]
+    return answers_changed(window_budget_reference, {key: chained(key) for key in keys})
 
 
 def _answering(**wrong):
-    """A typical wrong answer: the right ones, with these keys computed by these rules."""
-    def fn(T, W, L, H, H_kv, D, nbytes):
-        return {**window_budget_reference(T, W, L, H, H_kv, D, nbytes),
-                **{key: rule(T=T, W=W, L=L) for key, rule in wrong.items()}}
-    return fn
+    """A typical wrong answer: the right ones, with these keys computed by these rules (of T, W
+    and L)."""
+    return answers_changed(window_budget_reference, wrong,
+                           sizes=lambda T, W, L, **_: dict(T=T, W=W, L=L))
 
 
 register(Exercise(
