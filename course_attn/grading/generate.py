@@ -32,6 +32,9 @@ from typing import Callable
 
 import nbformat
 
+from .cells import grade_id, is_grade_cell, is_solution_cell, nbgrader_metadata
+from .cells import is_locked_cell  # noqa: F401 (canonical.py and tests import it from here)
+
 BEGIN_SOLUTION = "### BEGIN SOLUTION"
 END_SOLUTION = "### END SOLUTION"
 BEGIN_HIDDEN_TESTS = "### BEGIN HIDDEN TESTS"
@@ -39,30 +42,6 @@ END_HIDDEN_TESTS = "### END HIDDEN TESTS"
 CODE_STUB = ("# YOUR CODE HERE", "raise NotImplementedError()")
 TEXT_STUB = ("YOUR ANSWER HERE",)
 RAISES_EXCEPTION_TAG = "raises-exception"
-
-
-def nbgrader_metadata(cell) -> dict:
-    """The cell's ``nbgrader`` metadata (an empty dict for an ordinary cell)."""
-    metadata = cell.get("metadata")
-    meta = metadata.get("nbgrader") if isinstance(metadata, dict) else None
-    return meta if isinstance(meta, dict) else {}
-
-
-def is_solution_cell(cell) -> bool:
-    return bool(nbgrader_metadata(cell).get("solution", False))
-
-
-def is_grade_cell(cell) -> bool:
-    return bool(nbgrader_metadata(cell).get("grade", False))
-
-
-def is_locked_cell(cell) -> bool:
-    return bool(nbgrader_metadata(cell).get("locked", False))
-
-
-def grade_id(cell) -> str | None:
-    gid = nbgrader_metadata(cell).get("grade_id")
-    return gid if isinstance(gid, str) else None
 
 
 def _describe_cell(where: str, index: int, cell) -> str:

@@ -6,7 +6,7 @@ import copy
 from dataclasses import dataclass
 
 from .canonical import Canonical
-from .generate import grade_id, is_grade_cell, nbgrader_metadata
+from .cells import grade_id, is_grade_cell, nbgrader_metadata
 
 
 def _same_source(a: str, b: str) -> bool:
