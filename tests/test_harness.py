@@ -262,7 +262,8 @@ def test_the_package_is_refused_by_file_not_by_its_path_attribute(monkeypatch):
         "course_attn.backends.sdpa_attention"
     monkeypatch.setattr(course_attn, "__path__", [])
     assert guarded(lambda: course_attn.causal_mask(3, 4))[0] == "course_attn.masks.causal_mask"
-    namespace = {}  # a copy compiled from the package's own file is still the package's code
+    # a copy compiled from the package's own file is still the package's code
+    namespace = {"__name__": "copied_masks", "__package__": "course_attn"}
     with open(course_attn.masks.__file__) as file:
         exec(compile(file.read(), course_attn.masks.__file__, "exec"), namespace)
     assert guarded(lambda: namespace["causal_mask"](3, 4))
