@@ -15,6 +15,7 @@ which is all that tiling, split-KV decoding and ring attention need.
   attended to separately, the partial results merged.
 """
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -22,8 +23,10 @@ import math
 import torch
 from torch import Tensor
 
+from .arguments import check_non_negative_ints, check_positive_ints
 from .attention import _accumulation_dtype, check_attention_inputs
-from .masks import band_mask, check_window, cut_mask, key_reach, to_additive
+from .masks import (band_mask, check_window, cut_mask, grouped_query_bias, key_reach,
+                    to_additive)
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "flash_attention", "flash_decode",
            "merge_attention_states", "online_softmax", "tile_schedule"]
@@ -34,11 +37,6 @@ __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "flash_attention", "flash_decod
 # to fit its on-chip memory instead, triton_flash.py).
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
-
-
-def _check_block(name: str, n) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {n!r}")
 
 
 # --- online softmax ----------------------------------------------------------------------------
@@ -52,7 +50,7 @@ def online_softmax(x: Tensor, dim: int = -1, *, block: int = 128) -> Tensor:
     added. Equals ``attention.softmax`` (any shape; a slice that is all -inf gives zeros).
     Computed in float32 at least, returned in x's dtype.
     """
-    _check_block("block", block)
+    check_positive_ints(block=block)
     if x.shape[dim] == 0:
         return x.clone()
     dtype, work = x.dtype, _accumulation_dtype(x.dtype)
@@ -115,11 +113,8 @@ def tile_schedule(tq: int, tk: int, block_q: int = DEFAULT_BLOCK_Q,
     it lies entirely above the causal diagonal or entirely outside the window. Without
     ``is_causal`` and ``window`` every one of the ceil(Tq/block_q)·ceil(Tk/block_k) tiles is listed.
     """
-    for name, n in (("tq", tq), ("tk", tk)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {n!r}")
-    _check_block("block_q", block_q)
-    _check_block("block_k", block_k)
+    check_non_negative_ints(tq=tq, tk=tk)
+    check_positive_ints(block_q=block_q, block_k=block_k)
     check_window(window)
     pairs = []
     for i in range(math.ceil(tq / block_q)):
@@ -144,6 +139,18 @@ def _tile_mask(shift: int, n: int, m: int, is_causal: bool, window: int | None,
     return band_mask(shift, n, m, is_causal=is_causal, window=window, device=device)
 
 
+@dataclasses.dataclass(frozen=True)
+class _TileOptions:
+    """What decides the tiles besides q, k, v and attn_mask; the forward keeps it for the
+    backward. ``scale`` None means 1/sqrt(D)."""
+
+    is_causal: bool
+    scale: float | None
+    window: int | None
+    block_q: int
+    block_k: int
+
+
 class _Tiles:
     """q, k, v laid out for tiles, the schedule, and each tile's additive mask; for both passes.
 
@@ -152,27 +159,26 @@ class _Tiles:
     batched matmul over every (batch, head) and keys are never repeated per query head.
     """
 
-    def __init__(self, q, k, v, attn_mask, is_causal, scale, window, block_q, block_k):
+    def __init__(self, q, k, v, attn_mask, options: _TileOptions):
         (b, hq, self.tq, d), (hkv, self.tk) = q.shape, k.shape[1:3]
         self.batch_heads, self.g = (b, hkv), hq // hkv
         self.work = _accumulation_dtype(q.dtype)          # float32 for half-precision inputs
-        self.scale = 1.0 / math.sqrt(d) if scale is None else scale
+        self.options = options
+        self.scale = 1.0 / math.sqrt(d) if options.scale is None else options.scale
         self.q = q.unflatten(1, (hkv, self.g))                         # (B, Hkv, G, Tq, D)
         self.k = k.to(self.work).flatten(0, 1)                         # (B·Hkv, Tk, D)
         self.v = v.to(self.work).flatten(0, 1)                         # (B·Hkv, Tk, Dv)
         self.mask = attn_mask                                # broadcastable to (B, Hq, Tq, Tk)
-        self.is_causal, self.window = is_causal, window
-        self.block_q, self.block_k = block_q, block_k
         self._shared = {}      # structural bias by (shift, n, m): diagonal tiles share one
 
     def query_blocks(self):
         """(qs, qe, [(ks, ke), ...]): each query block and the key blocks it computes."""
-        schedule = tile_schedule(self.tq, self.tk, self.block_q, self.block_k, self.is_causal,
-                                 self.window)
+        block_q, block_k = self.options.block_q, self.options.block_k
+        schedule = tile_schedule(self.tq, self.tk, block_q, block_k, self.options.is_causal,
+                                 self.options.window)
         for i, pairs in itertools.groupby(schedule, key=lambda pair: pair[0]):
-            qs, qe = i * self.block_q, min((i + 1) * self.block_q, self.tq)
-            yield qs, qe, [(j * self.block_k, min((j + 1) * self.block_k, self.tk))
-                           for _, j in pairs]
+            qs, qe = i * block_q, min((i + 1) * block_q, self.tq)
+            yield qs, qe, [(j * block_k, min((j + 1) * block_k, self.tk)) for _, j in pairs]
 
     def rows(self, x: Tensor, qs: int, qe: int) -> Tensor:
         """Queries qs:qe of x (B, Hkv, G, Tq, ...) as rows (B·Hkv, G·n, ...)."""
@@ -191,17 +197,13 @@ class _Tiles:
         scores (B·Hkv, G·n, m); None when the tile needs none."""
         n, m, shift = qe - qs, ke - ks, self.tk - self.tq + qs - ks
         if (shift, n, m) not in self._shared:
-            allowed = _tile_mask(shift, n, m, self.is_causal, self.window, self.k.device)
+            allowed = _tile_mask(shift, n, m, self.options.is_causal, self.options.window,
+                                 self.k.device)
             self._shared[shift, n, m] = (None if allowed is None
                                          else to_additive(allowed, self.work))
-        structural = self._shared[shift, n, m]                         # (n, m) or None
-        if self.mask is None:
-            return None if structural is None else structural.repeat(self.g, 1)   # (G·n, m)
-        mask = to_additive(cut_mask(self.mask, qs, qe, ks, ke), self.work)
-        if structural is not None:
-            mask = mask + structural
-        (b, hkv), g = self.batch_heads, self.g
-        return mask.expand(b, hkv * g, n, m).reshape(b * hkv, g * n, m)
+        mask = None if self.mask is None else cut_mask(self.mask, qs, qe, ks, ke)
+        return grouped_query_bias(self._shared[shift, n, m], mask,
+                                  (*self.batch_heads, self.g, n, m), self.work)
 
     def scores(self, q_rows: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
         """S = scale · q kᵀ + bias of one tile, (B·Hkv, G·n, m), in the working dtype."""
@@ -282,11 +284,11 @@ def _backward(tiles: _Tiles, out: Tensor, lse: Tensor, row_max: Tensor, log_sum:
 
 
 class _FlashAttention(torch.autograd.Function):
-    """(q, k, v, attn_mask, options) -> (out, lse); the backward recomputes the tiles."""
+    """(q, k, v, attn_mask, _TileOptions) -> (out, lse); the backward recomputes the tiles."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, options):
-        out, row_max, log_sum = _forward(_Tiles(q, k, v, attn_mask, *options), v.shape[-1])
+        out, row_max, log_sum = _forward(_Tiles(q, k, v, attn_mask, options), v.shape[-1])
         lse = row_max + log_sum                                        # no key: -inf
         ctx.save_for_backward(q, k, v, attn_mask, out, lse, row_max, log_sum)
         ctx.options = options
@@ -298,7 +300,7 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, attn_mask, out, lse, row_max, log_sum = ctx.saved_tensors
         if dout is None:                               # only lse was used
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(_Tiles(q, k, v, attn_mask, *ctx.options), out, lse, row_max,
+        dq, dk, dv = _backward(_Tiles(q, k, v, attn_mask, ctx.options), out, lse, row_max,
                                log_sum, dout, dlse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
@@ -326,12 +328,11 @@ def flash_attention(
     """
     check_attention_inputs(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa,
                            window=window)
-    _check_block("block_q", block_q)
-    _check_block("block_k", block_k)
+    check_positive_ints(block_q=block_q, block_k=block_k)
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         raise ValueError("flash_attention computes no gradient for attn_mask, which requires "
                          "grad; pass attn_mask.detach(), or use the 'math' backend")
-    options = (bool(is_causal), scale, window, block_q, block_k)
+    options = _TileOptions(bool(is_causal), scale, window, block_q, block_k)
     out, lse = _FlashAttention.apply(q, k, v, attn_mask, options)
     return (out, lse) if return_lse else out
 
@@ -354,7 +355,7 @@ def flash_decode(
     contiguous and as equal as can be (``tensor_split``); an empty one is the merge's identity.
     """
     check_attention_inputs(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
-    _check_block("num_splits", num_splits)
+    check_positive_ints(num_splits=num_splits)
     tk = k.shape[2]
     masks = ([attn_mask] * num_splits if attn_mask is None or attn_mask.shape[-1] != tk
              else attn_mask.tensor_split(num_splits, dim=-1))

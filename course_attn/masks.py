@@ -13,11 +13,7 @@ top-left instead (query i at position i); for Tq == Tk the two agree.
 import torch
 from torch import Tensor
 
-
-def _check_lengths(tq: int, tk: int) -> None:
-    for name, n in (("tq", tq), ("tk", tk)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
+from .arguments import check_non_negative_ints
 
 
 def check_window(window) -> None:
@@ -34,7 +30,7 @@ def query_key_offsets(tq: int, tk: int, *, align: str = "bottom_right", device=N
     ``align="bottom_right"`` puts query i at absolute position Tk - Tq + i;
     ``align="top_left"`` puts it at position i (PyTorch's ``is_causal``).
     """
-    _check_lengths(tq, tk)
+    check_non_negative_ints(tq=tq, tk=tk)
     if align not in ("bottom_right", "top_left"):
         raise ValueError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
     shift = tk - tq if align == "bottom_right" else 0
@@ -66,7 +62,7 @@ def sliding_window_mask(
     check_window(window)
     if window is None:
         raise ValueError("sliding_window_mask needs an int window >= 1, got None")
-    _check_lengths(tq, tk)
+    check_non_negative_ints(tq=tq, tk=tk)
     return band_mask(tk - tq, tq, tk, is_causal=causal, window=window, device=device)
 
 
@@ -149,6 +145,25 @@ def cut_mask(mask: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
     rows = slice(None) if mask.shape[2] == 1 else slice(qs, qe)
     cols = slice(None) if mask.shape[3] == 1 else slice(ks, ke)
     return mask[:, :, rows, cols]
+
+
+def grouped_query_bias(structural: Tensor | None, mask: Tensor | None,
+                       shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> Tensor | None:
+    """The additive mask of one tile of scores whose rows stack the G query heads of each key
+    head (GQA): ``shape`` = (B, Hkv, G, n, m) for n queries and m keys, scores (B·Hkv, G·n, m).
+
+    ``structural``: the tile's causal/window part, additive (n, m) (0 or -inf), or None;
+    ``mask``: the tile's cut of ``attn_mask`` (bool or float, broadcastable to (B, Hq, n, m),
+    see ``cut_mask``), or None. Returns (G·n, m) when there is no ``mask`` (every batch and head
+    shares it), (B·Hkv, G·n, m) with one; None when both are None. A key must pass both.
+    """
+    b, hkv, g, n, m = shape
+    if mask is None:
+        return None if structural is None else structural.repeat(g, 1)          # (G·n, m)
+    bias = to_additive(mask, dtype)                                      # (B|1, Hq|1, n|1, m|1)
+    if structural is not None:
+        bias = bias + structural
+    return bias.expand(b, hkv * g, n, m).reshape(b * hkv, g * n, m)
 
 
 def structural_mask(

@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 from multiprocessing.connection import wait as _wait_any
 from torch import Tensor
 
+from .arguments import check_positive_ints
 from .attention import _accumulation_dtype, check_attention_inputs
 from .flash import flash_attention, merge_attention_states
 
@@ -270,8 +271,7 @@ def run_ring_attention(
     outlive the call.
     """
     check_attention_inputs(q, k, v, scale=scale, enable_gqa=enable_gqa)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    check_positive_ints(world_size=world_size)
     if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
             or not timeout_s > 0):
         raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")

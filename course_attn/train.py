@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from .arguments import check_positive_ints
 from .data import IGNORE_INDEX, InductionTask, induction_targets
 from .model import GPT, GPTConfig
 
@@ -40,9 +41,7 @@ def train(model: GPT, task, *, steps: int, batch_size: int, lr: float, seed: int
     as it learns; it must not touch the global random state if the run is to stay repeatable.
     Leaves the model in eval mode.
     """
-    for name, n in (("steps", steps), ("batch_size", batch_size)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    check_positive_ints(steps=steps, batch_size=batch_size)
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr!r}")
     if device is not None:
@@ -193,8 +192,7 @@ def train_induction_model(*, seed: int = 0, progress: bool = True,
     batch (drawn with seed + 20_000); measuring changes nothing in the training run.
     ``progress=False`` trains silently.
     """
-    if isinstance(record_every, bool) or not isinstance(record_every, int) or record_every < 1:
-        raise ValueError(f"record_every must be a positive int, got {record_every!r}")
+    check_positive_ints(record_every=record_every)
     task = InductionTask()
     config = GPTConfig(vocab_size=task.vocab_size, seq_len=task.seq_len, d_model=64, n_heads=2,
                        n_layers=2, mlp=False, backend="sdpa")
