@@ -2,7 +2,8 @@
 
 ``python -m course_attn.grade PATH... [--json REPORT.json]`` grades notebooks (or the ``*.ipynb``
 of a folder) and prints a table; ``python -m course_attn.grade SUBMISSIONS --gradebook OUT``
-grades a class (``batch.py``). Reports are written only after every process the submissions
+grades a class (``batch.py``); ``python -m course_attn.grade export gradescope|nbgrader OUT``
+builds a Gradescope autograder or an nbgrader course (``export.py``). Reports are written only after every process the submissions
 started is gone, and atomically. Exit status: 0 when every notebook was graded (whatever the
 scores), 1 when the grader itself could not grade one, 2 for a usage error, 130 on Ctrl-C.
 """
@@ -135,6 +136,10 @@ def _validate(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:  # python -m course_attn.grade export gradescope|nbgrader OUT
+        from .export import main as export_main
+        return export_main(argv[1:])
     try:
         return _main(argv)
     except KeyboardInterrupt:
