@@ -1,5 +1,7 @@
 # The course's commands, in the order a student meets them (README.md):
 #   make test · make book · make work CH=03 · make lab · make grade
+# `make` alone, or `make help`, lists them: each target's description is the `## ` comment
+# above it.
 # Each one creates .venv from requirements.txt first (and again when requirements.txt changes).
 PYTHON ?= python3
 VENV   := .venv
@@ -13,12 +15,24 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 # More options for `make lab`, e.g. LAB_ARGS="--no-browser --port=8899".
 LAB_ARGS ?=
 
-.PHONY: test book book-under-load work lab grade exercises bench clean
+.PHONY: help test book book-under-load work lab grade exercises bench clean
+.DEFAULT_GOAL := help
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -r requirements.txt
 	touch $(STAMP)
+
+## this list: every command with what it does
+help:
+	@awk '/^## / { text = text (text ? " " : "") substr($$0, 4); next } \
+	  /^[a-z][a-z-]*:/ && text { \
+	    sub(/:.*/, ""); line = sprintf("make %-16s", $$0); n = split(text, words, " "); \
+	    for (i = 1; i <= n; i++) { \
+	      if (length(line) + 1 + length(words[i]) > 100) { print line; line = sprintf("%21s", "") } \
+	      line = line " " words[i] } \
+	    print line } \
+	  { text = "" }' $(firstword $(MAKEFILE_LIST))
 
 ## every test: the package, the grader, nbval over book/, exercises/, solutions/, and the built
 ## book in a browser -- so the book is built first (after one build, only changed notebooks run)
@@ -41,10 +55,12 @@ work: $(STAMP)
 	  echo "say which exercise: make work CH=03 (or NB=path/to/notebook.ipynb)" >&2; exit 2; fi
 	$(PY) -m course_attn.workspace $(or $(CH),$(NB)) --work $(WORK)
 
-## JupyterLab, opened in work/
+## JupyterLab on the whole repository, opened in work/ (so an exercise's links to book/ open);
+## it prints the address to open, with its token; LAB_ARGS adds options
 lab: $(STAMP)
 	mkdir -p $(WORK)
-	$(VENV)/bin/jupyter lab --notebook-dir=$(WORK) $(ALLOW_ROOT) $(LAB_ARGS)
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. --ContentsManager.preferred_dir=$(WORK) \
+	  $(ALLOW_ROOT) $(LAB_ARGS)
 
 ## grade every notebook in work/, or NB=path (a notebook or a folder); JSON=file also writes a report
 grade: $(STAMP)
