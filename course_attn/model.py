@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .arguments import check_positive_ints
-from .kv_cache import KVCache
-from .local import RollingKVCache
+from .kv_cache import KVCache, RollingKVCache, is_kv_cache
 from .multihead import MultiHeadAttention
 
 __all__ = ["GPT", "GPTConfig", "generate", "queries_keys_values"]
@@ -169,7 +168,7 @@ class GPT(nn.Module):
         start = 0
         if caches is not None:
             if (not isinstance(caches, (list, tuple)) or len(caches) != len(self.blocks)
-                    or not all(isinstance(c, (KVCache, RollingKVCache)) for c in caches)):
+                    or not all(is_kv_cache(c) for c in caches)):
                 raise ValueError(f"caches must be a list of {len(self.blocks)} KVCache or "
                                  "RollingKVCache (one per layer, from model.new_caches or "
                                  "model.new_rolling_caches)")
@@ -234,12 +233,14 @@ def _sample(logits: Tensor, temperature: float, top_k: int | None,
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
 
-def _prefill(model: GPT, idx: Tensor, caches: list[KVCache], chunk: int | None) -> Tensor:
-    """Run idx (B, T) through the model into the caches, ``chunk`` tokens per forward (all at
-    once for None) -> the logits of the last token, (B, V)."""
-    chunk = idx.shape[1] if chunk is None else chunk
-    for start in range(0, idx.shape[1], chunk):
-        logits = model(idx[:, start:start + chunk], caches=caches)             # (B, chunk, V)
+def _cache_and_predict(model: GPT, tokens: Tensor, caches: list[KVCache],
+                       chunk: int | None) -> Tensor:
+    """Run tokens (B, T) through the model, appending their keys and values to the caches,
+    ``chunk`` tokens per forward (all at once for None) -> the logits after the last, (B, V):
+    the prefill of a prompt, and each decode step's one new token."""
+    chunk = tokens.shape[1] if chunk is None else chunk
+    for start in range(0, tokens.shape[1], chunk):
+        logits = model(tokens[:, start:start + chunk], caches=caches)          # (B, chunk, V)
     return logits[:, -1]
 
 
@@ -271,11 +272,10 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if prefill_chunk is not None and (isinstance(prefill_chunk, bool)
-                                      or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
-        raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+    if top_k is not None:
+        check_positive_ints(top_k=top_k)
+    if prefill_chunk is not None:
+        check_positive_ints(prefill_chunk=prefill_chunk)
     if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
         raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
     if sinks and not rolling:
@@ -323,7 +323,7 @@ def _generate(model, idx, max_new_tokens, temperature, top_k, generator, use_cac
             for cache in caches:
                 cache.reset()
             pending = idx[:, -context:]
-        logits = _prefill(model, pending, caches, prefill_chunk)                # (B, V)
+        logits = _cache_and_predict(model, pending, caches, prefill_chunk)     # (B, V)
         pending = _sample(logits, temperature, top_k, generator)                # (B, 1)
         idx = torch.cat([idx, pending], dim=1)
     return idx

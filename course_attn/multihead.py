@@ -20,8 +20,7 @@ from torch import Tensor, nn
 from .arguments import check_positive_ints
 from .attention import attention_weights, repeat_kv
 from .backends import get_backend
-from .kv_cache import KVCache
-from .local import RollingKVCache
+from .kv_cache import KVCache, RollingKVCache, is_kv_cache
 from .masks import check_window
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, apply_rotary_emb
@@ -64,7 +63,9 @@ class MultiHeadAttention(nn.Module):
                       product; ``qk_norm_order`` puts it "before_rope" (OLMo 2, Qwen3, Gemma 3)
                       or "after_rope" (nanochat).
       ``window``      each query sees only the keys less than ``window`` positions away.
-      ``dropout``     dropout on the attention weights, in training mode only.
+      ``dropout``     dropout on the attention weights, in training mode only; it needs the
+                      weights themselves, which only ``backend="math"`` builds, so another
+                      backend with ``dropout > 0`` is refused (ValueError).
       ``scale``       the factor of the scores; None is 1/sqrt(D).
       ``context_dim`` the width of ``context`` for cross-attention (default ``d_model``).
 
@@ -103,6 +104,10 @@ class MultiHeadAttention(nn.Module):
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
             raise ValueError(f"scale must be a number or None, got {scale!r}")
         get_backend(backend)  # fail now, not at the first forward
+        if dropout > 0 and backend != "math":
+            raise ValueError(f"dropout={dropout} drops attention weights, which only "
+                             f"backend='math' builds; backend={backend!r} takes no dropout: use "
+                             "backend='math' to train with dropout, or dropout=0")
 
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim, self.context_dim = head_dim, context_dim
@@ -201,18 +206,21 @@ class MultiHeadAttention(nn.Module):
 
         A ``RollingKVCache`` (``new_rolling_cache``; for a module with a ``window`` no larger
         than the cache's, causal, without ``attn_mask``) returns its keys in its own order, so
-        the mask comes from its key positions (``RollingKVCache.visible``): the window, plus the
-        cache's attention sinks when it keeps some.
+        the mask comes from the cache (``RollingKVCache.append``): the window, plus the cache's
+        attention sinks when it keeps some.
+
+        ``return_weights``: the output is computed from the weights returned (dropped out in
+        training), so attention runs once, by the "math" rule whatever the backend.
         """
+        if is_causal is None:
+            is_causal = context is None
         if cache is not None:
             if context is not None:
                 raise ValueError("cache is for self-attention; cross-attention's keys come from "
                                  "context, which does not grow")
-            if not isinstance(cache, (KVCache, RollingKVCache)):
+            if not is_kv_cache(cache):
                 raise ValueError(f"cache must be a KVCache, got {type(cache).__name__} (or a "
                                  "RollingKVCache, for a module with a window)")
-            if isinstance(cache, RollingKVCache):
-                self._check_rolling(cache, attn_mask, is_causal)
             if cache.n_kv_heads != self.n_kv_heads or cache.head_dim != self.head_dim:
                 raise ValueError(f"the cache holds n_kv_heads={cache.n_kv_heads} heads of "
                                  f"head_dim={cache.head_dim}, this module makes "
@@ -220,41 +228,21 @@ class MultiHeadAttention(nn.Module):
             if positions is None and isinstance(x, Tensor) and x.dim() == 3:
                 positions = torch.arange(len(cache), len(cache) + x.shape[1], device=x.device)
         q, k, v = self.project(x, context=context, positions=positions)
-        if cache is not None:
-            k, v = cache.update(k, v)                                          # (B, Hkv, S, D)
-        if is_causal is None:
-            is_causal = context is None
         window = self.window
-        # a rolling cache's keys are in slot order after a one-token step, and its sinks lie
-        # outside the window: then the mask comes from the cache. Otherwise (a prefill without
-        # sinks) its keys are consecutive positions ending at the newest token, as with KVCache.
-        if isinstance(cache, RollingKVCache) and (q.shape[2] == 1 or cache.sinks):
-            attn_mask, is_causal, window = cache.visible(self.window), False, None
+        if cache is not None:                                                  # (B, Hkv, S, D)
+            k, v, attn_mask, is_causal, window = cache.append(
+                k, v, attn_mask=attn_mask, is_causal=is_causal, window=window)
         options = dict(attn_mask=attn_mask, is_causal=is_causal, scale=self.scale,
                        enable_gqa=self.n_kv_heads != self.n_heads, window=window)
-        if self.training and self.dropout > 0:
-            weights = attention_weights(q, k, **options)                      # (B, H, T, S)
-            v = repeat_kv(v, self.n_heads // self.n_kv_heads)
-            out = F.dropout(weights, self.dropout) @ v                          # (B, H, T, D)
-        else:
+        dropping = self.training and self.dropout > 0      # backend "math" (see __init__)
+        if not (dropping or return_weights):
             out = get_backend(self.backend)(q, k, v, **options)               # (B, H, T, D)
+            return self.out_proj(merge_heads(out))                             # (B, T, C)
+        weights = attention_weights(q, k, **options)                          # (B, H, T, S)
+        kept = F.dropout(weights, self.dropout) if dropping else weights
+        out = kept @ repeat_kv(v, self.n_heads // self.n_kv_heads)             # (B, H, T, D)
         out = self.out_proj(merge_heads(out))                                  # (B, T, C)
-        if return_weights:
-            return out, attention_weights(q, k, **options)
-        return out
-
-    def _check_rolling(self, cache: RollingKVCache, attn_mask, is_causal) -> None:
-        if self.window is None:
-            raise ValueError(f"a RollingKVCache keeps only the last {cache.window} tokens, but "
-                             "this module has window=None (it attends to every earlier token): "
-                             "use a KVCache")
-        if cache.window < self.window:
-            raise ValueError(f"a RollingKVCache of window={cache.window} keeps too few tokens for "
-                             f"this module's window={self.window}: use one of window >= "
-                             f"{self.window} (new_rolling_cache), or a KVCache")
-        if attn_mask is not None or is_causal is False:
-            raise ValueError("a RollingKVCache serves causal self-attention without attn_mask: "
-                             "the keys it returns are not in time order")
+        return (out, weights) if return_weights else out
 
     def extra_repr(self) -> str:
         options = [f"d_model={self.d_model}", f"n_heads={self.n_heads}",

@@ -4,32 +4,26 @@ generate(use_cache=..., prefill_chunk=...) give what the full causal forward giv
 Also grouped-query attention against multi-head attention on repeated K/V and against PyTorch's
 SDPA with enable_gqa, the size of a GQA cache, and the sdpa backend's one-query decode path."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
 
 import course_attn.backends as backends
 from course_attn.attention import repeat_kv
 from course_attn.backends import BACKENDS, get_backend
 from course_attn.kv_cache import KVCache
-from course_attn.model import GPT, GPTConfig, generate
+from course_attn.model import generate
 from course_attn.multihead import MultiHeadAttention
+
+from helpers import gpt, randn
 
 BACKEND_NAMES = sorted(BACKENDS)
 # (rtol, atol) of one computation against the same in another order, in this dtype.
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3),
        torch.bfloat16: (3e-2, 3e-2)}
 seeds = st.integers(0, 2 ** 31 - 1)
-
-
-def randn(*shape, seed=0, device="cpu", dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float64).to(device, dtype)
 
 
 def make(d_model=32, n_heads=4, *, seed=0, device="cpu", dtype=torch.float32, **options):
@@ -341,22 +335,6 @@ def test_sdpa_one_query_causal_builds_no_mask(monkeypatch, device):
 
 # ---------------------------------------------------------------- GPT
 
-def gpt(seed=0, device="cpu", **options):
-    """A tiny GPT with weights large enough that attention is far from uniform and greedy
-    decoding has clear winners (the GPT-2 initialisation makes every score almost 0)."""
-    config = dict(vocab_size=13, seq_len=12, d_model=16, n_heads=4, n_layers=2)
-    config.update(options)
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(**config))
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=1.5 / math.sqrt(module.in_features))
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=1.0)
-    return model.to(device).eval()
-
-
 def tokens(b, t, vocab=13, seed=0, device="cpu"):
     return torch.randint(vocab, (b, t), generator=torch.Generator().manual_seed(seed)).to(device)
 
@@ -550,6 +528,6 @@ def test_sampling_with_the_cache_follows_the_generator(device):
 
 @pytest.mark.parametrize("chunk", [0, -2, 1.5, True, "4"])
 def test_generate_refuses_a_bad_prefill_chunk(chunk):
-    with pytest.raises(ValueError, match=f"prefill_chunk must be None or an int >= 1, got "
+    with pytest.raises(ValueError, match=f"prefill_chunk must be a positive int, got "
                                          f"{chunk!r}"):
         generate(gpt(), tokens(1, 3), 2, prefill_chunk=chunk)

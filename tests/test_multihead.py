@@ -384,6 +384,60 @@ def test_dropout_drops_weights_and_rescales_the_rest(device):
     torch.testing.assert_close(out[0][kept], (weights / 0.5)[kept])
 
 
+class Spy:
+    """An attention function that counts its calls and then runs the one it replaces."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("backend", [name for name in BACKEND_NAMES if name != "math"])
+def test_a_backend_without_dropout_is_refused_at_construction(backend):
+    """Dropout needs the weights, which only "math" builds: no silent switch to it."""
+    message = f"dropout=0.1 drops attention weights.*backend='{backend}' takes no dropout"
+    with pytest.raises(ValueError, match=message):
+        MultiHeadAttention(32, 4, backend=backend, dropout=0.1)
+    from course_attn.model import GPT, GPTConfig
+    with pytest.raises(ValueError, match=message):
+        GPT(GPTConfig(vocab_size=5, seq_len=4, d_model=32, backend=backend, dropout=0.1))
+    MultiHeadAttention(32, 4, backend=backend, dropout=0.0)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_training_runs_the_chosen_backend(device, backend, monkeypatch):
+    mha = make(32, 4, n_kv_heads=2, device=device, backend=backend, window=3).train()
+    spy = Spy(BACKENDS[backend])
+    monkeypatch.setitem(BACKENDS, backend, spy)
+    mha(randn(2, 5, 32, device=device)).sum().backward()
+    assert spy.calls == 1
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("backend", ["math", "flash"])
+def test_return_weights_computes_attention_once(device, backend, training, monkeypatch):
+    """The output comes from the weights returned (dropped out in training), as the backend
+    would give it."""
+    dropout = 0.5 if training and backend == "math" else 0.0
+    mha = make(32, 4, n_kv_heads=2, device=device, backend=backend, dropout=dropout, window=4)
+    mha.train(training)
+    x = randn(2, 6, 32, device=device)
+    torch.manual_seed(3)
+    expected = mha(x)
+    weights_spy = Spy(attention_weights)
+    backend_spy = Spy(BACKENDS[backend])
+    monkeypatch.setattr("course_attn.multihead.attention_weights", weights_spy)
+    monkeypatch.setitem(BACKENDS, backend, backend_spy)
+    torch.manual_seed(3)
+    out, weights = mha(x, return_weights=True)
+    assert (weights_spy.calls, backend_spy.calls) == (1, 0)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(weights.sum(-1), torch.ones_like(weights[..., 0]))
+
+
 # ---------------------------------------------------------------- RoPE in the module
 
 @given(t=st.integers(1, 9), shift=st.integers(0, 5000), n_kv_heads=st.sampled_from([1, 2, 4]),
