@@ -24,7 +24,7 @@ def test_first_cell_installs_the_package_in_colab_only(path):
     first = nb.cells[0]
     assert first.cell_type == "code" and first.source == expected, (
         f"{ids(path)}: the first cell is not the Colab install cell for {repository()}; "
-        "run `python -m course_attn.colab` (then `make exercises`)")
+        "run `python -m course_attn.colab` (it rewrites book/, solutions/ and exercises/)")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)

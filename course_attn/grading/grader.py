@@ -90,6 +90,7 @@ from pathlib import Path
 
 from jupyter_core.utils import run_sync
 
+from ..colab import a_clone_of_the_course
 from .canonical import Canonical, GradedExercise, GraderError, UnknownChapter, \
     load_canonicals, lookup_in
 from .exercise import hidden_cases, load_hidden
@@ -466,3 +467,12 @@ def grade_notebook(path: Path | str, **options) -> NotebookGrade:
 def default_solutions_dir() -> Path:
     here = Path("solutions")
     return here if here.is_dir() else Path(__file__).resolve().parents[2] / "solutions"
+
+
+def missing_solutions(path: Path | str) -> str:
+    """One line for a solutions folder ``path`` that does not exist: what the grader needs (a
+    pip install carries the package, not the course's solutions/)."""
+    missing = (f"no solutions/ folder in {Path.cwd()} or at {default_solutions_dir()}"
+               if Path(path) == default_solutions_dir() else f"--solutions {path} does not exist")
+    return (f"{missing}: the grader compares against the course's solution notebooks; run it in "
+            f"{a_clone_of_the_course()}, or give --solutions DIR")
