@@ -1,4 +1,6 @@
-"""Shared test setup: every device present, and hypothesis profiles.
+"""Shared test setup: every device present, hypothesis profiles, the shared helpers on the path
+(helpers.py here, check_support.py and grading_support.py in fixtures/), and every exercise's
+hidden cases loaded, as the grader has them.
 
 Profiles (pick one with ``HYPOTHESIS_PROFILE=name``):
   ci        the default: 25 examples per property, derandomized so a run is repeatable
@@ -6,6 +8,8 @@ Profiles (pick one with ``HYPOTHESIS_PROFILE=name``):
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,12 @@ from course_attn import available_devices
 # exercise runs under Triton's interpreter where there is no CUDA, and the interpreter works only
 # if it imported Triton first (course_attn.grading.ch09.import_triton_for_its_interpreter).
 from course_attn.grading import ch09  # noqa: E402, F401
+from course_attn.grading.exercise import load_hidden  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+# Test modules import their shared helpers by module name, in any pytest import mode.
+sys.path[:0] = [str(TESTS), str(TESTS / "fixtures")]
+load_hidden(TESTS.parent / "solutions")
 
 settings.register_profile(
     "ci", max_examples=25, deadline=None, derandomize=True,

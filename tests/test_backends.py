@@ -6,96 +6,19 @@ built here, independently of ``course_attn.masks``: PyTorch's own bottom-right c
 (``0 <= i - j < W`` causal, ``|i - j| < W`` not, query i at position Tk - Tq + i).
 """
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
-from hypothesis import strategies as st
 from torch.nn.attention.bias import causal_lower_right
 
 from course_attn.backends import BACKENDS, get_backend, register
 
+from helpers import Case, cases
+
 BACKEND_NAMES = sorted(BACKENDS)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Lower right causal bias:UserWarning")
-
-MASK_SHAPES = {
-    "(Tq, Tk)": lambda c: (c.tq, c.tk),
-    "(B, 1, 1, Tk)": lambda c: (c.b, 1, 1, c.tk),
-    "(B, Hq, Tq, Tk)": lambda c: (c.b, c.hq, c.tq, c.tk),
-    "(Hq, Tq, Tk)": lambda c: (c.hq, c.tq, c.tk),
-    "(1, 1, Tq, 1)": lambda c: (1, 1, c.tq, 1),
-}
-
-
-@dataclass(frozen=True)
-class Case:
-    """One attention call: shapes, mask kind and shape, keywords, and the seed of its numbers."""
-
-    b: int
-    hkv: int
-    group: int  # Hq / Hkv
-    tq: int
-    tk: int
-    d: int
-    dv: int
-    mask_kind: str | None  # None, "bool" or "float"
-    mask_shape: str
-    keep_prob: float  # chance that a mask entry lets the key through
-    is_causal: bool
-    window: int | None
-    scale: float | None
-    enable_gqa: bool
-    seed: int
-
-    @property
-    def hq(self) -> int:
-        return self.hkv * self.group
-
-    def tensors(self, device, dtype):
-        """q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv), and the mask or None."""
-        g = torch.Generator().manual_seed(self.seed)
-
-        def randn(*shape):
-            return torch.randn(*shape, generator=g, dtype=torch.float64).to(device, dtype)
-
-        q = randn(self.b, self.hq, self.tq, self.d)
-        k = randn(self.b, self.hkv, self.tk, self.d)
-        v = randn(self.b, self.hkv, self.tk, self.dv)
-        mask = None
-        if self.mask_kind is not None:
-            shape = MASK_SHAPES[self.mask_shape](self)
-            keep = torch.rand(shape, generator=g) < self.keep_prob
-            if self.mask_kind == "bool":
-                mask = keep.to(device)
-            else:
-                bias = (2 * torch.randn(shape, generator=g, dtype=torch.float64))
-                mask = bias.masked_fill(~keep, float("-inf")).to(device, dtype)
-        return q, k, v, mask
-
-    def kwargs(self) -> dict:
-        return dict(is_causal=self.is_causal, window=self.window, scale=self.scale,
-                    enable_gqa=self.enable_gqa)
-
-
-@st.composite
-def cases(draw, *, max_t: int = 9) -> Case:
-    group = draw(st.sampled_from([1, 2, 4]))
-    tq, tk = draw(st.integers(1, max_t)), draw(st.integers(1, max_t))
-    mask_kind = draw(st.sampled_from([None, "bool", "float"]))
-    return Case(
-        b=draw(st.integers(1, 3)), hkv=draw(st.integers(1, 3)), group=group, tq=tq, tk=tk,
-        d=draw(st.integers(1, 8)), dv=draw(st.integers(1, 8)), mask_kind=mask_kind,
-        mask_shape=draw(st.sampled_from(sorted(MASK_SHAPES))),
-        keep_prob=draw(st.sampled_from([0.3, 0.8, 1.0])),
-        is_causal=draw(st.booleans()),
-        window=draw(st.one_of(st.none(), st.integers(1, tq + tk))),
-        scale=draw(st.one_of(st.none(), st.floats(0.05, 3.0))),
-        enable_gqa=group > 1 or draw(st.booleans()),
-        seed=draw(st.integers(0, 2 ** 31 - 1)),
-    )
 
 
 def reference_mask(case: Case, mask, device):

@@ -140,14 +140,6 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert all(r["time_ms"] > 0 and r["peak_mib"] > 0 for r in rows)
 
 
-def one_line_error(capsys) -> str:
-    """What the command printed on stderr, checked to be a single line and nothing on stdout."""
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and err.endswith("\n"), err
-    assert err.startswith("python -m course_attn.bench: error: "), err
-    return err
-
-
 def test_cli_refuses_an_unknown_backend_in_one_line(capsys):
     assert main(["--seq-lens", "8", "--backends", "nope"]) == 2
     assert "unknown attention backend 'nope'" in one_line_error(capsys)

@@ -8,8 +8,6 @@ it must fail and a fragment of the hint it must get.
 """
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +15,9 @@ import torch.nn.functional as F
 
 import course_attn
 from course_attn.grading import get, run_exercise
-from course_attn.grading.exercise import hidden_cases, load_hidden
+from course_attn.grading.exercise import hidden_cases
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from check_support import assert_banned, assert_fails  # noqa: E402
-
-load_hidden(Path(__file__).resolve().parents[1] / "solutions")
+from check_support import assert_banned, assert_fails
 
 
 # --- solutions as in solutions/02_scaled_dot_product.ipynb ----------------------------------------

@@ -9,8 +9,6 @@ it must fail and a fragment of the hint it must get.
 
 import copy
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +16,9 @@ import torch
 import course_attn
 import course_attn.rope
 from course_attn.grading import get, run_exercise
-from course_attn.grading.exercise import hidden_cases, load_hidden
+from course_attn.grading.exercise import hidden_cases
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from check_support import assert_banned, assert_fails, results  # noqa: E402
-
-load_hidden(Path(__file__).resolve().parents[1] / "solutions")
+from check_support import assert_banned, assert_fails, results
 
 
 # --- solutions as in solutions/05_rope.ipynb ------------------------------------------------------

@@ -8,8 +8,6 @@ it must fail and a fragment of the hint it must get.
 """
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +18,10 @@ import nbformat
 import course_attn
 from course_attn.grading import get, run_exercise
 from course_attn.grading.judge import Answer, judge_case
-from course_attn.grading.exercise import hidden_cases, load_hidden
+from course_attn.grading.exercise import hidden_cases
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from check_support import assert_banned, assert_fails, results  # noqa: E402
-
-load_hidden(Path(__file__).resolve().parents[1] / "solutions")
+from check_support import assert_banned, assert_fails, results
+from helpers import SOLUTIONS_DIR
 
 
 # --- solutions as in solutions/06_qk_norm.ipynb ---------------------------------------------------
@@ -412,7 +408,7 @@ def test_gemma_rms_norm_may_not_call_a_ready_made_one():
 # --- qk_norm_heads (debug) -----------------------------------------------------------------------
 
 HEADS = "ch06.qk_norm_heads"
-NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "06_qk_norm.ipynb"
+NOTEBOOK = SOLUTIONS_DIR / "06_qk_norm.ipynb"
 
 
 def _given_cell(grade_id):

@@ -8,8 +8,6 @@ it must fail and a fragment of the hint it must get.
 """
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +18,10 @@ import nbformat
 import course_attn
 from course_attn.grading import get, run_exercise
 from course_attn.grading.judge import Answer, judge_case
-from course_attn.grading.exercise import hidden_cases, load_hidden
+from course_attn.grading.exercise import hidden_cases
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from check_support import assert_banned, assert_fails, results  # noqa: E402
-
-load_hidden(Path(__file__).resolve().parents[1] / "solutions")
+from check_support import assert_banned, assert_fails, results
+from helpers import SOLUTIONS_DIR
 
 
 # --- solutions as in solutions/07_mqa_gqa.ipynb ---------------------------------------------------
@@ -389,7 +385,7 @@ def test_cache_questions_gb_for_gib_and_no_rope_key_get_both_hints():
 # --- grouped_attention (debug) ------------------------------------------------------------------
 
 GROUPED = "ch07.grouped_attention"
-NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "07_mqa_gqa.ipynb"
+NOTEBOOK = SOLUTIONS_DIR / "07_mqa_gqa.ipynb"
 
 
 def _given_namespace(capsys=None):

@@ -8,8 +8,6 @@ it must fail and a fragment of the hint it must get.
 """
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,13 +18,11 @@ import course_attn
 from course_attn.decode_bench import decode_model
 from course_attn.grading import get, run_exercise
 from course_attn.grading.ch08 import DECODE_MODEL_SIZES, GPT2_SMALL_SIZES, _macs, rope_tables
-from course_attn.grading.exercise import hidden_cases, load_hidden
+from course_attn.grading.exercise import hidden_cases
 from course_attn.model import GPT, GPTConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from check_support import assert_banned, assert_fails, results  # noqa: E402
-
-load_hidden(Path(__file__).resolve().parents[1] / "solutions")
+from check_support import assert_banned, assert_fails, results
+from helpers import SOLUTIONS_DIR
 
 FILL, STEP, SAVINGS = "ch08.fill_cache", "ch08.decode_step", "ch08.decode_savings"
 
@@ -451,7 +447,7 @@ def test_decode_savings_counted_with_the_packages_model_is_refused_by_name():
 # --- greedy_decode (debug) and first_divergence (measure) ----------------------------------------
 
 DECODE_LOOP, DIVERGENCE = "ch08.greedy_decode", "ch08.first_divergence"
-NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "08_kv_cache.ipynb"
+NOTEBOOK = SOLUTIONS_DIR / "08_kv_cache.ipynb"
 BUGGY_ROPE = """    cos, sin = rope_rows(len(tokens), q.shape[-1])
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
 """

@@ -11,8 +11,6 @@ import importlib.util
 import itertools
 import math
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,12 +22,10 @@ from course_attn.flash import tile_schedule
 from course_attn.grading import get, run_exercise
 from course_attn.grading.ch09 import (COUNT_QUESTIONS, COUNT_SIZES, MORE_COUNT_SIZES,
                                       empty_state, split_states, tile_update_reference)
-from course_attn.grading.exercise import hidden_cases, load_hidden
+from course_attn.grading.exercise import hidden_cases
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from check_support import assert_banned, assert_fails, results  # noqa: E402
-
-load_hidden(Path(__file__).resolve().parents[1] / "solutions")
+from check_support import assert_banned, assert_fails, results
+from helpers import SOLUTIONS_DIR
 
 ONLINE, MERGE, TILE, MASK, COUNTS = ("ch09.online_softmax", "ch09.merge_states",
                                      "ch09.tile_update", "ch09.tile_mask", "ch09.flash_counts")
@@ -487,7 +483,7 @@ def test_split_states_are_attention_over_each_side():
 
 # --- the notebook's new exercises, from its own cells --------------------------------------------
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "09_flash_attention.ipynb"
+NOTEBOOK = SOLUTIONS_DIR / "09_flash_attention.ipynb"
 CHUNKED, EXPONENT, TRITON = ("ch09.chunked_attention", "ch09.memory_exponent",
                              "ch09.triton_forward")
 

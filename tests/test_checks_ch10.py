@@ -8,9 +8,6 @@ The wrong solutions below are written as a student would write them; each test n
 it must fail and a fragment of the hint it must get.
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,15 +17,13 @@ import course_attn
 from course_attn.grading import get, run_exercise
 from course_attn.grading.ch10 import (COST_QUESTIONS, COST_SIZES, MORE_COST_SIZES,
                                       chunk_case, random_state)
-from course_attn.grading.exercise import hidden_cases, load_hidden
+from course_attn.grading.exercise import hidden_cases
 from course_attn.kv_cache import KVCache
 from course_attn.linear import (elu_features, linear_attention, linear_attention_state,
                                 linear_attention_step)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from check_support import assert_banned, assert_fails, results  # noqa: E402
-
-load_hidden(Path(__file__).resolve().parents[1] / "solutions")
+from check_support import assert_banned, assert_fails, results
+from helpers import ROOT
 
 ELU, STEP, CHUNK, COSTS = ("ch10.elu_feature_map", "ch10.recurrent_step", "ch10.chunk_step",
                            "ch10.linear_costs")
@@ -445,9 +440,8 @@ def test_the_given_function_fails_with_the_bugs_hint():
 
 def test_the_given_function_is_the_notebooks():
     import nbformat
-    root = Path(__file__).resolve().parents[1]
     for folder in ("solutions", "exercises"):
-        nb = nbformat.read(root / folder / "10_linear_attention.ipynb", as_version=4)
+        nb = nbformat.read(ROOT / folder / "10_linear_attention.ipynb", as_version=4)
         given = [c for c in nb.cells
                  if c.metadata.get("nbgrader", {}).get("grade_id") == f"ch10-{CLA[5:]}-given"]
         assert len(given) == 1 and given[0].metadata["nbgrader"]["locked"]

@@ -9,8 +9,6 @@ it must fail and a fragment of the hint it must get.
 
 import math
 import re
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,15 +18,13 @@ import torch.nn.functional as F
 import course_attn
 from course_attn.grading import get, run_exercise
 from course_attn.grading.ch11 import BUDGET_QUESTIONS, BUDGET_SIZES, MORE_BUDGET_SIZES
-from course_attn.grading.exercise import hidden_cases, load_hidden
+from course_attn.grading.exercise import hidden_cases
 from course_attn.local import RollingKVCache
 from course_attn.masks import key_reach
 from course_attn.model import GPT, GPTConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from check_support import assert_banned, assert_fails, results  # noqa: E402
-
-load_hidden(Path(__file__).resolve().parents[1] / "solutions")
+from check_support import assert_banned, assert_fails, results
+from helpers import ROOT
 
 MASK, INDEX, BLOCK, BUDGET = ("ch11.window_mask", "ch11.rolling_index",
                               "ch11.local_attention_block", "ch11.window_budget")
@@ -473,9 +469,8 @@ def test_the_given_decode_loop_fails_with_the_bugs_hint():
     from course_attn.grading.ch11 import given_window_decode
     assert_fails(DECODE, given_window_decode, ONES, hint="no token has been written")
     assert_fails(DECODE, given_window_decode, SLIDES, hint="no token has been written")
-    root = Path(__file__).resolve().parents[1]
     for folder in ("solutions", "exercises"):                 # the notebooks give this one
-        nb = nbformat.read(root / folder / "11_local_attention.ipynb", as_version=4)
+        nb = nbformat.read(ROOT / folder / "11_local_attention.ipynb", as_version=4)
         given = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id")
                  == "ch11-window_decode-given"]
         assert len(given) == 1 and given[0].metadata["nbgrader"]["locked"]

@@ -18,7 +18,7 @@ from course_attn.decode_bench import (
 )
 from course_attn.model import GPT, GPTConfig, generate
 
-from test_bench import one_line_error                  # a sibling test module
+from helpers import one_line_error
 
 MIB = 2 ** 20
 TINY_DECODE = ["--decode", "--new-tokens", "2", "3", "--prompt-len", "4", "--repeats", "1",

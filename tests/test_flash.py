@@ -9,8 +9,8 @@ the ones a tiled implementation gets wrong: lengths that the blocks do not divid
 blocks longer than T, Tq != Tk (bottom-right), masks cut per tile, rows with no key, GQA rows
 stacked in one tile, half precision, and the log-sum-exp that the backward and the merges reuse.
 
-Helpers are shared with the sibling tests rather than re-pasted: ``qkv``/``randn``/
-``growth_exponent`` from test_local.py, the ``Case`` strategy from test_backends.py.
+Helpers shared with the sibling tests (``qkv``/``randn``/``growth_exponent``, the ``Case``
+strategy) are in helpers.py.
 """
 
 import math
@@ -29,8 +29,7 @@ from course_attn.bench import peak_memory_bytes
 from course_attn.flash import (DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, flash_attention, flash_decode,
                                merge_attention_states, online_softmax, tile_schedule)
 
-from test_backends import Case, cases                       # sibling test modules
-from test_local import growth_exponent, qkv, randn
+from helpers import Case, cases, growth_exponent, qkv, randn
 
 pytestmark = pytest.mark.filterwarnings("ignore:Lower right causal bias:UserWarning")
 

@@ -14,7 +14,7 @@ from course_attn.linear_bench import (
     StepRow, crossover_length, format_step_table, run_linear_bench, run_step_bench,
 )
 
-from test_bench import one_line_error                  # a sibling test module
+from helpers import one_line_error
 
 MIB = 2 ** 20
 TINY = dict(heads=2, head_dim=4, repeats=1, max_warmup=2)

@@ -6,8 +6,6 @@ Its agreement with PyTorch over random shapes is also in test_backends.py, which
 registered backend; here the cases are the ones a banded implementation gets wrong: T below, at
 and far above the window, blocks that do not divide T, Tq != Tk, masks cut per block."""
 
-import math
-
 import pytest
 import torch
 from hypothesis import given
@@ -18,19 +16,9 @@ from course_attn.backends import BACKENDS, get_backend
 from course_attn.bench import peak_memory_bytes
 from course_attn.local import DEFAULT_BLOCK, local_attention
 
+from helpers import growth_exponent, qkv, randn
+
 seeds = st.integers(0, 2 ** 31 - 1)
-
-
-def randn(*shape, seed=0, device="cpu", dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float64).to(device, dtype)
-
-
-def qkv(b, hq, hkv, tq, tk, d=8, dv=6, *, seed=0, device="cpu", dtype=torch.float32):
-    """q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv)."""
-    return (randn(b, hq, tq, d, seed=seed, device=device, dtype=dtype),
-            randn(b, hkv, tk, d, seed=seed + 1, device=device, dtype=dtype),
-            randn(b, hkv, tk, dv, seed=seed + 2, device=device, dtype=dtype))
 
 
 def both(q, k, v, **kwargs):
@@ -216,14 +204,6 @@ def test_half_precision_error_is_no_worse_than_maths(device, require_dtype, dtyp
 
 
 # ---------------------------------------------------------------- memory
-
-def growth_exponent(lengths, peaks) -> float:
-    """The slope of log(peak) against log(T), a least-squares fit: 1 linear, 2 quadratic."""
-    x = torch.tensor([math.log(t) for t in lengths], dtype=torch.float64)
-    y = torch.tensor([math.log(p) for p in peaks], dtype=torch.float64)
-    x, y = x - x.mean(), y - y.mean()
-    return float((x * y).sum() / (x * x).sum())
-
 
 def test_peak_memory_grows_linearly_in_t():
     """Profiler peaks (CPU) over T = 256 .. 2048, W = 64: "local" fits T^e with e < 1.3, the

@@ -16,7 +16,7 @@ from course_attn.local import RollingKVCache
 from course_attn.model import generate
 from course_attn.multihead import MultiHeadAttention
 
-from test_decode import gpt as decode_gpt                  # a sibling test module
+from helpers import gpt as decode_gpt
 
 seeds = st.integers(0, 2 ** 31 - 1)
 

@@ -1,0 +1,144 @@
+"""What several test modules share: seeded inputs, the attention cases that every backend is
+swept over, a tiny GPT, and what a command line printed. Test modules import it as ``helpers``
+(conftest.py puts this folder on ``sys.path``, whatever pytest's import mode), never from one
+another."""
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hypothesis import strategies as st
+from torch import nn
+
+from course_attn.model import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS_DIR = ROOT / "solutions"
+
+
+def randn(*shape, seed=0, device="cpu", dtype=torch.float32):
+    """Standard normal numbers of ``shape``, the same for a seed on every device (drawn in
+    float64 on the CPU, then cast)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(device, dtype)
+
+
+def qkv(b, hq, hkv, tq, tk, d=8, dv=6, *, seed=0, device="cpu", dtype=torch.float32):
+    """q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv)."""
+    return (randn(b, hq, tq, d, seed=seed, device=device, dtype=dtype),
+            randn(b, hkv, tk, d, seed=seed + 1, device=device, dtype=dtype),
+            randn(b, hkv, tk, dv, seed=seed + 2, device=device, dtype=dtype))
+
+
+def growth_exponent(lengths, peaks) -> float:
+    """The slope of log(peak) against log(T), a least-squares fit: 1 linear, 2 quadratic."""
+    x = torch.tensor([math.log(t) for t in lengths], dtype=torch.float64)
+    y = torch.tensor([math.log(p) for p in peaks], dtype=torch.float64)
+    x, y = x - x.mean(), y - y.mean()
+    return float((x * y).sum() / (x * x).sum())
+
+
+# ---------------------------------------------------------------- attention cases
+
+MASK_SHAPES = {
+    "(Tq, Tk)": lambda c: (c.tq, c.tk),
+    "(B, 1, 1, Tk)": lambda c: (c.b, 1, 1, c.tk),
+    "(B, Hq, Tq, Tk)": lambda c: (c.b, c.hq, c.tq, c.tk),
+    "(Hq, Tq, Tk)": lambda c: (c.hq, c.tq, c.tk),
+    "(1, 1, Tq, 1)": lambda c: (1, 1, c.tq, 1),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention call: shapes, mask kind and shape, keywords, and the seed of its numbers."""
+
+    b: int
+    hkv: int
+    group: int  # Hq / Hkv
+    tq: int
+    tk: int
+    d: int
+    dv: int
+    mask_kind: str | None  # None, "bool" or "float"
+    mask_shape: str
+    keep_prob: float  # chance that a mask entry lets the key through
+    is_causal: bool
+    window: int | None
+    scale: float | None
+    enable_gqa: bool
+    seed: int
+
+    @property
+    def hq(self) -> int:
+        return self.hkv * self.group
+
+    def tensors(self, device, dtype):
+        """q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv), and the mask or None."""
+        g = torch.Generator().manual_seed(self.seed)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=g, dtype=torch.float64).to(device, dtype)
+
+        q = randn(self.b, self.hq, self.tq, self.d)
+        k = randn(self.b, self.hkv, self.tk, self.d)
+        v = randn(self.b, self.hkv, self.tk, self.dv)
+        mask = None
+        if self.mask_kind is not None:
+            shape = MASK_SHAPES[self.mask_shape](self)
+            keep = torch.rand(shape, generator=g) < self.keep_prob
+            if self.mask_kind == "bool":
+                mask = keep.to(device)
+            else:
+                bias = (2 * torch.randn(shape, generator=g, dtype=torch.float64))
+                mask = bias.masked_fill(~keep, float("-inf")).to(device, dtype)
+        return q, k, v, mask
+
+    def kwargs(self) -> dict:
+        return dict(is_causal=self.is_causal, window=self.window, scale=self.scale,
+                    enable_gqa=self.enable_gqa)
+
+
+@st.composite
+def cases(draw, *, max_t: int = 9) -> Case:
+    group = draw(st.sampled_from([1, 2, 4]))
+    tq, tk = draw(st.integers(1, max_t)), draw(st.integers(1, max_t))
+    mask_kind = draw(st.sampled_from([None, "bool", "float"]))
+    return Case(
+        b=draw(st.integers(1, 3)), hkv=draw(st.integers(1, 3)), group=group, tq=tq, tk=tk,
+        d=draw(st.integers(1, 8)), dv=draw(st.integers(1, 8)), mask_kind=mask_kind,
+        mask_shape=draw(st.sampled_from(sorted(MASK_SHAPES))),
+        keep_prob=draw(st.sampled_from([0.3, 0.8, 1.0])),
+        is_causal=draw(st.booleans()),
+        window=draw(st.one_of(st.none(), st.integers(1, tq + tk))),
+        scale=draw(st.one_of(st.none(), st.floats(0.05, 3.0))),
+        enable_gqa=group > 1 or draw(st.booleans()),
+        seed=draw(st.integers(0, 2 ** 31 - 1)),
+    )
+
+
+# ---------------------------------------------------------------- models and commands
+
+def gpt(seed=0, device="cpu", **options):
+    """A tiny GPT with weights large enough that attention is far from uniform and greedy
+    decoding has clear winners (the GPT-2 initialisation makes every score almost 0)."""
+    config = dict(vocab_size=13, seq_len=12, d_model=16, n_heads=4, n_layers=2)
+    config.update(options)
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**config))
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=1.5 / math.sqrt(module.in_features))
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=1.0)
+    return model.to(device).eval()
+
+
+def one_line_error(capsys) -> str:
+    """What the command printed on stderr, checked to be a single line and nothing on stdout."""
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.endswith("\n"), err
+    assert err.startswith("python -m course_attn.bench: error: "), err
+    return err
