@@ -13,6 +13,8 @@ from course_attn.bench import (
     BenchRow, format_table, has_settled, hardware, main, peak_memory_bytes, run_bench, warm_up,
 )
 
+from helpers import one_line_error
+
 TINY = dict(heads=2, head_dim=8, repeats=2)
 MIB = 2 ** 20
 
