@@ -6,14 +6,17 @@ on every page:
 - **weights** (softmax outputs, in [0, 1]): the sequential map ``"Blues"`` on the fixed range
   [0, 1], so that the same shade is the same weight in every figure (a spread-out row is pale
   because its weights are small, not because of the figure's scale); darker is more weight,
-  which survives greyscale printing.
+  which survives greyscale printing and every colour-vision deficiency (lightness alone orders
+  the map; tests/test_viz.py checks it under simulated protan-, deuteran- and tritanopia).
 - **scores** (signed, any size): the diverging map ``"RdBu_r"``, centred at 0 and symmetric
-  (-m to m, m the largest finite |score|): red positive, blue negative, white zero.
+  (-m to m, m the largest finite |score|): red positive, blue negative, white zero; lightest at
+  zero, its two ends still told apart with any colour-vision deficiency.
 - **masks** (a bool tensor, True where a query may attend, as in PyTorch's SDPA): allowed cells
   in the darkest weight colour, with a legend instead of a colour bar.
 - **masked cells** (``mask=`` False, or a score that is -inf or NaN) are not drawn as a value at
   all: they are left out of the image (a masked array) and show a hatched grey background, so a
-  masked cell never looks like a cell of weight 0. The colour bar's label says so.
+  masked cell never looks like a cell of weight 0. The colour bar's label says so. The
+  pattern, not a colour, marks them.
 - every numeric map has a colour bar; a grid of heads shares one colour bar and one scale.
 
 Figures are drawn with matplotlib's object-oriented API. pyplot only creates each figure and

@@ -272,3 +272,68 @@ def test_every_heatmap_in_the_book_goes_through_plot_attention(notebook):
     assert not raw, (f"{notebook.name}: cells {raw} draw a heatmap themselves; use "
                      "course_attn.viz.plot_attention (one colour convention, a colour bar, "
                      "masked cells shown as masked)")
+
+
+# What a reader with each colour-vision deficiency sees: Machado, Oliveira & Fernandes (2009),
+# severity 1, applied to linear RGB.
+COLOUR_VISION = {
+    "normal": np.eye(3),
+    "protanopia": np.array([[0.152286, 1.052583, -0.204868], [0.114503, 0.786281, 0.099216],
+                            [-0.003882, -0.048116, 1.051998]]),
+    "deuteranopia": np.array([[0.367322, 0.860646, -0.227968], [0.280085, 0.672501, 0.047413],
+                              [-0.011820, 0.042940, 0.968881]]),
+    "tritanopia": np.array([[1.255528, -0.076749, -0.178779], [-0.078411, 0.930809, 0.147602],
+                            [0.004733, 0.691367, 0.303900]]),
+}
+SRGB_TO_XYZ = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722],
+                        [0.0193, 0.1192, 0.9505]])
+D65_WHITE = np.array([0.95047, 1.0, 1.08883])
+
+
+def cielab_as_seen(cmap: str, vision: str, n: int = 65) -> np.ndarray:
+    """(n, 3) CIELAB colours of ``cmap`` at n evenly spaced values, as seen with ``vision``."""
+    rgb = matplotlib.colormaps[cmap](np.linspace(0.0, 1.0, n))[:, :3]
+    linear = np.where(rgb <= 0.04045, rgb / 12.92, ((rgb + 0.055) / 1.055) ** 2.4)
+    linear = np.clip(linear @ COLOUR_VISION[vision].T, 0.0, 1.0)
+    xyz = linear @ SRGB_TO_XYZ.T / D65_WHITE
+    f = np.where(xyz > (6 / 29) ** 3, np.cbrt(xyz), xyz / (3 * (6 / 29) ** 2) + 4 / 29)
+    return np.stack([116 * f[:, 1] - 16, 500 * (f[:, 0] - f[:, 1]), 200 * (f[:, 1] - f[:, 2])],
+                    axis=-1)
+
+
+def ordered_by_lightness(cmap: str, vision: str) -> bool:
+    """A sequential map anyone can read: lightness alone orders it, over a wide range."""
+    lightness = cielab_as_seen(cmap, vision)[:, 0]
+    steps = np.diff(lightness)
+    return bool((steps < 0).all() or (steps > 0).all()) and np.ptp(lightness) > 60
+
+
+def diverges_readably(cmap: str, vision: str) -> bool:
+    """A diverging map anyone can read: lightest at the centre, darker towards both ends, and
+    the two ends (most negative, most positive) still told apart by colour."""
+    lab = cielab_as_seen(cmap, vision)
+    centre = len(lab) // 2
+    rises, falls = np.diff(lab[:centre + 1, 0]), np.diff(lab[centre:, 0])
+    ends_apart = np.linalg.norm(lab[0] - lab[-1])
+    return bool((rises > 0).all() and (falls < 0).all()) and ends_apart > 30
+
+
+@pytest.mark.parametrize("vision", COLOUR_VISION)
+def test_the_colour_maps_are_readable_with_colour_blindness(vision):
+    weights = plot_attention(torch.full((2, 2), 0.5)).axes[0].images[0].get_cmap().name
+    scores = plot_attention(torch.tensor([[-1.0, 2.0]])).axes[0].images[0].get_cmap().name
+    assert ordered_by_lightness(weights, vision), f"{weights} as seen with {vision}"
+    assert diverges_readably(scores, vision), f"{scores} as seen with {vision}"
+    # The checks can fail: a rainbow is not ordered by lightness, and diverges from nothing.
+    assert not ordered_by_lightness("jet", vision) and not diverges_readably("jet", vision)
+
+
+def test_masked_cells_are_marked_by_a_pattern_not_by_colour_alone():
+    scores = torch.tensor([[0.5, float("-inf")], [0.2, 0.8]])
+    for fig in (plot_attention(scores), plot_attention(scores.softmax(-1), mask=scores.isfinite())):
+        ax = fig.axes[0]
+        assert ax.images[0].get_array().mask.tolist() == [[False, True], [False, False]]
+        assert hatched(ax), "a masked cell, left out of the image, should show the hatching"
+    legend = plot_attention(CAUSAL).axes[0].get_legend()
+    masked = legend.legend_handles[[t.get_text() for t in legend.get_texts()].index("masked")]
+    assert masked.get_hatch(), "the legend's masked cell should show the hatching too"
