@@ -6,7 +6,7 @@ Two measurements, each taken in one run on one machine:
   greedily from a random prompt, with ``use_cache=True`` and ``use_cache=False`` taking turns
   (so machine noise hits both alike). Per N: the median wall time of each, tokens per second, the
   speed-up, the bytes of the caches (``KVCache.nbytes``: allocated, not computed) and the peak
-  memory of each run, measured as ``bench.peak_memory_bytes`` measures it.
+  memory of each run (``timing.peak_memory_bytes``).
 - ``run_cache_update_bench``: the time of appending one token's keys and values to a cache that
   already holds L tokens, in place (``KVCache.update``) and by ``torch.cat`` (which copies all L):
   in place, the cost does not depend on L.
@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from .arguments import check_positive_ints
-from .bench import (MIB, _check_positive, _synchronize, _time_call_ms,
-                    peak_memory_bytes)
 from .kv_cache import KVCache
 from .model import GPT, GPTConfig, generate
+from .timing import MIB, check_positive_list, peak_memory_bytes, synchronize, time_call_ms
 
 
 @dataclass
@@ -72,7 +71,7 @@ def run_decode_bench(new_tokens: Sequence[int] = (64, 128, 256), *, prompt_len: 
     ``memory=False`` skips the peak-memory runs (on the CPU the profiler that measures them
     makes each such run several times slower); the peaks are then None.
     """
-    _check_positive("new_tokens", list(new_tokens))
+    check_positive_list("new_tokens", list(new_tokens))
     check_positive_ints(prompt_len=prompt_len, batch=batch, repeats=repeats)
     model = decode_model(device=device) if model is None else model
     device = next(model.parameters()).device
@@ -88,7 +87,7 @@ def run_decode_bench(new_tokens: Sequence[int] = (64, 128, 256), *, prompt_len: 
         times = {True: [], False: []}
         for r in range(repeats):
             for cached in ((True, False) if r % 2 == 0 else (False, True)):
-                times[cached].append(_time_call_ms(runs[cached], device))
+                times[cached].append(time_call_ms(runs[cached], device))
         peaks = {cached: peak_memory_bytes(runs[cached], device) if memory else None
                  for cached in runs}
         cached_ms, uncached_ms = statistics.median(times[True]), statistics.median(times[False])
@@ -109,7 +108,7 @@ def run_cache_update_bench(cached_lens: Sequence[int] = (512, 16384), *, heads: 
 
     The median over ``repeats`` of the mean over ``calls`` appends, in place and by torch.cat.
     """
-    _check_positive("cached_lens", list(cached_lens))
+    check_positive_list("cached_lens", list(cached_lens))
     check_positive_ints(heads=heads, head_dim=head_dim, calls=calls, repeats=repeats)
     device = torch.device("cpu") if device is None else torch.device(device)
     rows = []
@@ -134,8 +133,8 @@ def run_cache_update_bench(cached_lens: Sequence[int] = (512, 16384), *, heads: 
             fn()                                   # warm-up
         for _ in range(repeats):
             for fn in times:
-                times[fn].append(_time_call_ms(fn, device) * 1e3 / calls)
-        _synchronize(device)
+                times[fn].append(time_call_ms(fn, device) * 1e3 / calls)
+        synchronize(device)
         rows.append(CacheUpdateRow(length, statistics.median(times[inplace]),
                                    statistics.median(times[concatenate]), str(device)))
     return rows
@@ -158,12 +157,14 @@ def format_decode_table(rows: Sequence[DecodeRow]) -> str:
 
 
 def format_update_table(rows: Sequence[CacheUpdateRow]) -> str:
-    """The cache-update rows as a fixed-width text table."""
+    """The cache-update rows as a fixed-width text table, with a line under it that says what
+    ``us`` means."""
     lines = [("cached tokens", "in place us", "torch.cat us")] + [
         (str(r.cached_len), f"{r.inplace_us:.1f}", f"{r.cat_us:.1f}") for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(3)]
     out = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
+    out.append("us: microseconds per append")
     return "\n".join(out)
 
 

@@ -1,10 +1,10 @@
 """Linear attention against softmax attention, timed: ``python -m course_attn.bench --linear``.
 
-Two measurements (chapter 10), each in one run on one machine, with ``bench.py``'s machinery
+Two measurements (chapter 10), each in one run on one machine, with ``timing``'s machinery
 (warm-up until the times settle, turns that rotate, the median, peak memory measured):
 
 - ``run_linear_bench``: causal linear attention in its chunked form against PyTorch's fused
-  causal SDPA on the same q, k, v (B, H, T, D), at each T. The rows are ``bench.BenchRow``s
+  causal SDPA on the same q, k, v (B, H, T, D), at each T. The rows are ``timing.BenchRow``s
   (backends ``"linear"`` and ``"sdpa"``), so ``format_table`` prints them and ``time_ratio`` is
   linear's time over SDPA's. ``crossover_length`` reads off where linear starts to win.
 - ``run_step_bench``: one decode step after L tokens. Linear attention reads and updates its
@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from .arguments import check_positive_ints
-from .bench import (
-    BASELINE, DTYPES, MAX_WARMUP, MIB, BenchRow, _check_options, _free_cached,
-    _Measured, _measure, _time_call_ms, check_device, format_table, warm_up,
-)
 from .device import default_device
 from .linear import FEATURE_MAPS, linear_attention, linear_attention_state, linear_attention_step
+from .timing import (
+    BASELINE, DTYPES, MAX_WARMUP, MIB, BenchRow, check_device, check_sizes, format_table,
+    free_cached, measure, rotated, rows_at, time_call_ms, warm_up,
+)
 
 LINEAR = "linear"
 
@@ -83,7 +83,8 @@ def run_linear_bench(
     option or a device that is not available.
     """
     seq_lens = list(seq_lens)
-    _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, [BASELINE], max_warmup)
+    check_sizes(seq_lens, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
+                repeats=repeats, max_warmup=max_warmup)
     check_positive_ints(chunk_size=chunk_size)
     _check_feature_map(feature_map)
     device = default_device() if device is None else check_device(device)
@@ -102,20 +103,8 @@ def run_linear_bench(
 
     rows = []
     for t in seq_lens:
-        results = _measure(calls_at(t), device, repeats, max_warmup)
-        _free_cached(device)
-        base = results[BASELINE]
-        for name, result in results.items():
-            if isinstance(result, str):
-                rows.append(BenchRow(name, t, None, None, None, None, result, **common))
-                continue
-            ok = isinstance(base, _Measured)
-            time_ratio = result.time_ms / base.time_ms if ok and base.time_ms else None
-            mem_ratio = (result.peak_mib / base.peak_mib
-                         if ok and result.peak_mib is not None and base.peak_mib else None)
-            rows.append(BenchRow(name, t, result.time_ms, result.peak_mib, time_ratio, mem_ratio,
-                                 None, **common, warmup_calls=result.warmup.calls,
-                                 settled=result.warmup.settled, kept=result.kept))
+        rows += rows_at(t, measure(calls_at(t), device, repeats, max_warmup), **common)
+        free_cached(device)
     return rows
 
 
@@ -155,7 +144,8 @@ def run_step_bench(
     taking turns; a row gives the median over ``repeats`` of the mean step, in microseconds.
     """
     seq_lens = list(seq_lens)
-    _check_options(seq_lens, batch, heads, head_dim, dtype, repeats, [BASELINE], max_warmup)
+    check_sizes(seq_lens, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
+                repeats=repeats, max_warmup=max_warmup)
     check_positive_ints(calls=calls)
     _check_feature_map(feature_map)
     device = default_device() if device is None else check_device(device)
@@ -182,13 +172,13 @@ def run_step_bench(
         runs[(LINEAR, length)], runs[(BASELINE, length)] = linear, softmax
 
     def timed(key):
-        return _time_call_ms(runs[key], device)
+        return time_call_ms(runs[key], device)
 
     warm_up({key: (lambda key=key: timed(key)) for key in runs}, max_calls=max_warmup)
     times = {key: [] for key in runs}
     keys = list(runs)
     for r in range(repeats):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+        for key in rotated(keys, r):
             times[key].append(timed(key) * 1e3 / calls)
     step_us = {key: statistics.median(ts) for key, ts in times.items()}
     first = step_us[(LINEAR, seq_lens[0])]
@@ -199,7 +189,8 @@ def run_step_bench(
 
 
 def format_step_table(rows: Sequence[StepRow]) -> str:
-    """The decode-step rows as a fixed-width text table."""
+    """The decode-step rows as a fixed-width text table, with a line under it that says what
+    ``us`` and ``x first`` mean."""
     header = ("tokens before", "linear us", "x first", "sdpa us", "state MiB", "KV cache MiB")
     lines = [header] + [(str(r.seq_len), f"{r.linear_us:.1f}", f"{r.linear_ratio:.2f}",
                          f"{r.sdpa_us:.1f}", f"{r.state_mib:.3f}", f"{r.cache_mib:.3f}")
@@ -207,17 +198,14 @@ def format_step_table(rows: Sequence[StepRow]) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
+    out.append("us: microseconds per decode step; x first: linear us over its value in the "
+               "first row")
     return "\n".join(out)
 
 
 def main_linear(args, device: torch.device) -> tuple[str, dict]:
     """What ``python -m course_attn.bench --linear`` prints, and the report for its ``--json``
     (``args`` from bench's parser)."""
-    if args.decode:
-        raise ValueError("--linear and --decode are two benchmarks: give one of them")
-    if args.backends is not None or args.window is not None:
-        raise ValueError("--linear compares causal linear attention with sdpa: --backends and "
-                         "--window do not apply")
     start = time.perf_counter()
     dtype = DTYPES[args.dtype]
     sizes = dict(batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=dtype,
