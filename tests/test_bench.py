@@ -12,6 +12,7 @@ from course_attn.backends import BACKENDS, get_backend
 from course_attn.bench import (
     BenchRow, format_table, has_settled, hardware, main, peak_memory_bytes, run_bench, warm_up,
 )
+from course_attn.timing import check_device
 
 from helpers import one_line_error
 
@@ -163,6 +164,95 @@ def test_cuda_on_a_torch_built_without_it_is_a_one_line_error(monkeypatch, capsy
 def test_a_device_that_is_not_there_is_a_one_line_error(device, message, capsys):
     assert main(["--device", device, "--seq-lens", "8"]) == 2
     assert message in one_line_error(capsys)
+
+
+@pytest.fixture
+def nothing_timed(monkeypatch):
+    """Every benchmark and every timed call fails the test if it runs."""
+    import course_attn.bench as bench
+    import course_attn.decode_bench as decode_bench
+    import course_attn.linear_bench as linear_bench
+    import course_attn.timing as timing
+
+    def timed(*args, **kwargs):
+        raise AssertionError("something was timed before every option was checked")
+
+    for module, name in [(bench, "run_bench"), (bench, "main_decode"), (bench, "main_linear"),
+                         (timing, "time_call_ms"), (timing, "peak_memory_bytes"),
+                         (decode_bench, "time_call_ms"), (decode_bench, "peak_memory_bytes"),
+                         (decode_bench, "generate"), (linear_bench, "time_call_ms")]:
+        monkeypatch.setattr(module, name, timed)
+
+
+@pytest.mark.parametrize("argv, message", [
+    # --decode: its own options, by the name they were typed with, before generation is timed
+    (["--decode", "--cache-lens", "0"],
+     "--cache-lens must be a non-empty list of positive ints, got [0]"),
+    (["--decode", "--new-tokens", "8", "-1"],
+     "--new-tokens must be a non-empty list of positive ints, got [8, -1]"),
+    (["--decode", "--prompt-len", "0"], "--prompt-len must be a positive int, got 0"),
+    (["--decode", "--repeats", "0"], "--repeats must be a positive int, got 0"),
+    # ... and the options it does not use
+    (["--decode", "--window", "4"], "--decode does not use --window"),
+    (["--decode", "--backends", "math"], "--decode does not use --backends"),
+    (["--decode", "--seq-lens", "8"], "--decode does not use --seq-lens"),
+    (["--decode", "--max-warmup", "3"], "--decode does not use --max-warmup"),
+    (["--decode", "--dtype", "float64"], "--decode does not use --dtype"),
+    (["--decode", "--step-lens", "8"], "--decode does not use --step-lens"),
+    (["--decode", "--causal"], "--decode does not use --causal"),
+    # --linear
+    (["--linear", "--step-lens", "-1"],
+     "--step-lens must be a non-empty list of positive ints, got [-1]"),
+    (["--linear", "--seq-lens", "0"],
+     "--seq-lens must be a non-empty list of positive ints, got [0]"),
+    (["--linear", "--chunk-size", "0"], "--chunk-size must be a positive int, got 0"),
+    (["--linear", "--max-warmup", "0"], "--max-warmup must be a positive int, got 0"),
+    (["--linear", "--backends", "math"], "--linear does not use --backends"),
+    (["--linear", "--window", "4"], "--linear does not use --window"),
+    (["--linear", "--no-causal"], "--linear does not use --no-causal"),
+    (["--linear", "--cache-lens", "8"], "--linear does not use --cache-lens"),
+    (["--linear", "--decode"], "--linear and --decode are two benchmarks: give one of them"),
+    # the backends
+    (["--seq-lens", "8", "0"], "--seq-lens must be a non-empty list of positive ints"),
+    (["--window", "0"], "--window must be a positive int, got 0"),
+    (["--head-dim", "0"], "--head-dim must be a positive int, got 0"),
+    (["--backends", "nope"], "unknown attention backend 'nope'"),
+    (["--new-tokens", "4"], "the backends benchmark (no --decode or --linear) does not use "
+                            "--new-tokens"),
+    (["--feature-map", "relu", "--step-lens", "8"], "does not use --feature-map, --step-lens"),
+    # any mode: the device
+    (["--device", "toaster"], "not a device: 'toaster'"),
+    (["--decode", "--device", "toaster"], "not a device: 'toaster'"),
+])
+def test_every_bad_option_is_refused_by_its_name_before_anything_is_timed(
+        argv, message, nothing_timed, capsys):
+    assert main(argv) == 2
+    err = one_line_error(capsys)
+    assert message in err
+    assert "_" not in err.split("error: ", 1)[1].split(",")[0], "a Python name, not the option"
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
+def test_mps_where_there_is_none_is_one_whole_sentence(nothing_timed, capsys):
+    assert main(["--device", "mps"]) == 2
+    err = one_line_error(capsys)
+    assert "device 'mps' is not available: MPS needs a Mac with Apple silicon" in err
+    assert err.endswith(")\n") and "This could be" not in err
+
+
+def test_a_device_error_is_cut_at_a_sentence_not_mid_word(monkeypatch):
+    def missing(*args, **kwargs):
+        raise NotImplementedError(
+            "Could not run 'aten::empty.memory_format' with arguments from the 'XLA' backend. "
+            "This could be because the operator doesn't exist for this backend, or was omitted "
+            "during the selective/custom build process.\nXLA: registered at ...")
+
+    monkeypatch.setattr(torch, "empty", missing)
+    with pytest.raises(ValueError) as raised:
+        check_device("cpu")
+    assert str(raised.value) == (
+        "device 'cpu' is not available: NotImplementedError: Could not run "
+        "'aten::empty.memory_format' with arguments from the 'XLA' backend")
 
 
 def test_cli_device_error_has_no_traceback():

@@ -154,7 +154,8 @@ def test_tables_show_every_row():
     updates = format_update_table([CacheUpdateRow(512, 3.3, 40.0, "cpu"),
                                    CacheUpdateRow(16384, 3.5, 900.0, "cpu")])
     lines = updates.splitlines()
-    assert len(lines) == 4 and "torch.cat" in lines[0]
+    assert len(lines) == 5 and "torch.cat" in lines[0]
+    assert lines[4] == "us: microseconds per append"
     assert lines[2].split() == ["512", "3.3", "40.0"]
     assert lines[3].split() == ["16384", "3.5", "900.0"]
 
@@ -188,12 +189,12 @@ def test_cli_decode_uses_the_model_backend(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("--new-tokens", "0", "new_tokens must be a non-empty list of positive ints"),
-    ("--prompt-len", "0", "prompt_len"),
-    ("--batch", "0", "batch"),
-    ("--repeats", "0", "repeats"),
-    ("--cache-lens", "-4", "cached_lens must be a non-empty list of positive ints"),
-    ("--heads", "0", "must be a positive int, got 0"),
+    ("--new-tokens", "0", "--new-tokens must be a non-empty list of positive ints"),
+    ("--prompt-len", "0", "--prompt-len must be a positive int, got 0"),
+    ("--batch", "0", "--batch must be a positive int, got 0"),
+    ("--repeats", "0", "--repeats must be a positive int, got 0"),
+    ("--cache-lens", "-4", "--cache-lens must be a non-empty list of positive ints"),
+    ("--heads", "0", "--heads must be a positive int, got 0"),
     ("--device", "toaster", "not a device: 'toaster'"),
 ])
 def test_cli_decode_bad_options_exit_2_in_one_line(capsys, option, value, message):
@@ -233,4 +234,4 @@ def test_decode_bad_option_as_a_module_is_one_line_without_traceback():
                            "--new-tokens", "0"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
-    assert "new_tokens must be a non-empty list of positive ints" in done.stderr
+    assert "--new-tokens must be a non-empty list of positive ints" in done.stderr

@@ -143,7 +143,8 @@ def test_step_table_shows_every_row():
             StepRow(4096, 42.0, 560.0, 1.05, 0.127, 16.0, 1, 8, 64, "float32", "elu", "cpu", 50,
                     5)]
     lines = format_step_table(rows).splitlines()
-    assert len(lines) == 4 and "linear us" in lines[0] and set(lines[1]) <= {"-", " "}
+    assert len(lines) == 5 and "linear us" in lines[0] and set(lines[1]) <= {"-", " "}
+    assert "us: microseconds per decode step" in lines[4] and "x first" in lines[4]
     assert lines[2].split() == ["512", "40.0", "1.00", "70.0", "0.127", "2.000"]
     assert lines[3].split() == ["4096", "42.0", "1.05", "560.0", "0.127", "16.000"]
 
@@ -169,11 +170,11 @@ def test_cli_linear_prints_both_tables_and_writes_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--chunk-size", "0"], "chunk_size must be a positive int, got 0"),
-    (["--heads", "0"], "heads must be a positive int, got 0"),
+    (["--chunk-size", "0"], "--chunk-size must be a positive int, got 0"),
+    (["--heads", "0"], "--heads must be a positive int, got 0"),
     (["--decode"], "--linear and --decode are two benchmarks: give one of them"),
-    (["--window", "4"], "--backends and --window do not apply"),
-    (["--backends", "math"], "--backends and --window do not apply"),
+    (["--window", "4"], "--linear does not use --window"),
+    (["--backends", "math"], "--linear does not use --backends"),
     (["--device", "toaster"], "not a device: 'toaster'"),
 ])
 def test_cli_linear_bad_options_exit_2_in_one_line(capsys, extra, message):
