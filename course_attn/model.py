@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .arguments import check_positive_ints
+from .arguments import check_non_negative_ints, check_positive_ints
 from .kv_cache import KVCache, RollingKVCache, is_kv_cache
 from .multihead import MultiHeadAttention
 
@@ -268,8 +268,7 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float
     and with RoPE the sequence may grow past ``seq_len`` (learned positions: ValueError). With
     ``sinks=0`` this gives the tokens of the full cache with the window mask.
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    check_non_negative_ints(max_new_tokens=max_new_tokens)
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature!r}")
     if top_k is not None:

@@ -215,11 +215,13 @@ def test_generate_sampling_follows_the_generator():
 
 def test_generate_errors():
     model, prompt = small_gpt(), torch.zeros(1, 2, dtype=torch.long)
-    with pytest.raises(ValueError, match="max_new_tokens"):
+    with pytest.raises(ValueError, match="max_new_tokens must be a non-negative int, got -1"):
         generate(model, prompt, -1)
+    with pytest.raises(ValueError, match="max_new_tokens must be a non-negative int, got True"):
+        generate(model, prompt, True)
     with pytest.raises(ValueError, match="temperature"):
         generate(model, prompt, 1, temperature=-0.5)
-    with pytest.raises(ValueError, match="top_k"):
+    with pytest.raises(ValueError, match="top_k must be a positive int, got 0"):
         generate(model, prompt, 1, top_k=0)
 
 
