@@ -24,7 +24,7 @@ from torch import Tensor
 from .arguments import check_positive_ints
 from .attention import check_attention_inputs, scaled_dot_product_attention
 from .kv_cache import RollingKVCache
-from .masks import band_mask, cut_mask, key_reach, to_additive
+from .masks import band_mask, cut_mask, grouped_query_bias, key_reach, to_additive
 
 __all__ = ["DEFAULT_BLOCK", "RollingKVCache", "local_attention"]
 
@@ -37,19 +37,15 @@ def _block_bias(offset: int, n: int, m: int, window: int, is_causal: bool, mask:
     """The additive mask of one block and its dead rows (queries that may see no key).
 
     Query i of the block and key j of its reach lie ``offset + i - j`` positions apart. The bias
-    is 0 or -inf, plus the block's cut of a float ``attn_mask`` (``mask``, see ``masks.cut_mask``); it is
+    is 0 or -inf, plus the block's cut of ``attn_mask`` (``mask``, see ``masks.cut_mask``); it is
     shaped for the scores' rows ``rows`` = (B, Hkv, G): (G·n, m) without a mask, else
-    (B·Hkv, G·n, m). ``dead`` (same leading shape, last dim 1) is None when every row sees a key;
-    dead rows get a bias of 0, so that softmax stays finite, and their output is zeroed later.
+    (B·Hkv, G·n, m) (``masks.grouped_query_bias``). ``dead`` (same leading shape, last dim 1) is
+    None when every row sees a key; dead rows get a bias of 0, so that softmax stays finite, and
+    their output is zeroed later.
     """
     b, hkv, g = rows
     allowed = band_mask(offset, n, m, is_causal=is_causal, window=window, device=device)
-    if mask is None:
-        bias = to_additive(allowed, dtype).repeat(g, 1)                        # (G·n, m)
-    else:
-        bias = (to_additive(allowed & mask, dtype) if mask.dtype == torch.bool
-                else to_additive(allowed, dtype) + mask.to(dtype))            # (B|1, Hq|1, n, m)
-        bias = bias.expand(b, hkv * g, n, m).reshape(b * hkv, g * n, m)
+    bias = grouped_query_bias(to_additive(allowed, dtype), mask, (b, hkv, g, n, m), dtype)
     dead = (bias == float("-inf")).all(dim=-1, keepdim=True)
     if not bool(dead.any()):
         return bias, None
