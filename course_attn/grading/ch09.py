@@ -859,7 +859,7 @@ ATTENTIONS = {"naive": naive_attention, "tiled": tiled_attention}
 def _allocations(fn, t, dim):
     """The bytes of every allocation (positive) and free (negative) that ``fn(q, k, v)`` makes,
     in time order, for q, k, v of shape (t, dim) made before the profiler starts, as
-    course_attn.bench reads them (the raw event list keeps the allocations inside operators)."""
+    course_attn.timing reads them (the raw event list keeps the allocations inside operators)."""
     import os
 
     from torch.profiler import ProfilerActivity, profile
