@@ -74,18 +74,43 @@ def _visible(rows, cols, TK, CAUSAL: tl.constexpr, SHIFT_ROWS):
 
 
 @triton.jit
+def _key_block(k_ptrs, start_n, TK, D, stride_kn,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The key block that starts at key start_n: its positions ``cols`` (N,) and kᵀ (D, N),
+    zeros past Tk and past D."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_t = tl.load(k_ptrs + start_n * stride_kn,
+                  mask=(cols[None, :] < TK) & (offs_d[:, None] < D), other=0.0)
+    return cols, k_t
+
+
+@triton.jit
+def _key_bounds(start_m, shift, TK, CAUSAL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(full, hi) for the block of query rows from start_m, query row i sitting at key position
+    i + shift: keys [0, full) are whole blocks that every row sees (no mask needed), keys
+    [full, hi) the diagonal blocks and the ragged last one (masked per element); keys from hi on
+    are after the block's last query (causal), unseen."""
+    if CAUSAL:
+        hi = tl.minimum(TK, start_m + BLOCK_M + shift)        # past the block's last query
+        full = tl.maximum(tl.minimum(TK, start_m + shift + 1), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = TK
+        full = TK // BLOCK_N * BLOCK_N
+    return full, hi
+
+
+@triton.jit
 def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, rows, TK, D, DV, qk_scale,
               stride_kn, stride_vn,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, SHIFT_ROWS,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               PRECISION: tl.constexpr):
     """One key block's update of (acc, l, m): the online softmax step, in log2 units."""
-    cols = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    cols, k_t = _key_block(k_ptrs, start_n, TK, D, stride_kn, BLOCK_N, BLOCK_D)    # kᵀ (D, N)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = tl.load(k_ptrs + start_n * stride_kn,
-                mask=(cols[None, :] < TK) & (offs_d[:, None] < D), other=0.0)   # kᵀ (D, N)
-    s = _dot(q, k, PRECISION) * qk_scale  # (M, N)
+    s = _dot(q, k_t, PRECISION) * qk_scale  # (M, N)
     if MASKED:
         s = tl.where(_visible(rows, cols, TK, CAUSAL, SHIFT_ROWS), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -136,12 +161,7 @@ def _attn_fwd(Q, K, V, O, LSE,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     shift = TK - TQ                               # query row i sits at key position i + shift
-    if CAUSAL:
-        hi = tl.minimum(TK, start_m + BLOCK_M + shift)        # past the block's last query
-        full = tl.maximum(tl.minimum(TK, start_m + shift + 1), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = TK
-        full = TK // BLOCK_N * BLOCK_N
+    full, hi = _key_bounds(start_m, shift, TK, CAUSAL, BLOCK_M, BLOCK_N)
     # Blocks that every row of this query block sees whole: no mask to apply.
     for start_n in range(0, full, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, rows, TK, D, DV,
@@ -244,11 +264,8 @@ def _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, start_n, rows, TK, D, DV, q
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
              PRECISION: tl.constexpr):
     """One key block's contribution to dQ (before the final factor ``scale``)."""
-    cols = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    cols, k_t = _key_block(k_ptrs, start_n, TK, D, stride_kn, BLOCK_N, BLOCK_D)    # (D, N)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_t = tl.load(k_ptrs + start_n * stride_kn,
-                  mask=(cols[None, :] < TK) & (offs_d[:, None] < D), other=0.0)    # (D, N)
     v_t = tl.load(v_ptrs + start_n * stride_vn,
                   mask=(cols[None, :] < TK) & (offs_dv[:, None] < DV), other=0.0)  # (DV, N)
     s = _dot(q, k_t, PRECISION) * qk_scale  # (M, N)
@@ -299,12 +316,7 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     shift = TK - TQ
-    if CAUSAL:
-        hi = tl.minimum(TK, start_m + BLOCK_M + shift)
-        full = tl.maximum(tl.minimum(TK, start_m + shift + 1), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = TK
-        full = TK // BLOCK_N * BLOCK_N
+    full, hi = _key_bounds(start_m, shift, TK, CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full, BLOCK_N):
         dq = _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, start_n, rows, TK, D, DV, qk_scale,
                       stride_kn, stride_vn, False, CAUSAL, shift, BLOCK_N, BLOCK_D, BLOCK_DV,
