@@ -16,6 +16,8 @@ import course_attn
 from course_attn import masks
 from course_attn.grading import ExerciseFailed, check, get, run_exercise
 from course_attn.grading.harness import WireError, decode, encode
+from course_attn.grading.judge import Answer, judge_case
+from course_attn.grading.report import ExerciseScore, NotebookGrade, format_table, report
 
 
 def own_causal_mask(tq, tk):
@@ -29,7 +31,7 @@ def wrapper(tq, tk):
 def loaded_again():
     """``causal_mask`` from a second copy of course_attn/masks.py, as ``importlib.reload``
     would make: another function object, the same file."""
-    namespace = {}
+    namespace = {"__name__": "course_attn.masks", "__package__": "course_attn"}  # its imports
     with open(masks.__file__) as file:
         exec(compile(file.read(), masks.__file__, "exec"), namespace)
     return namespace["causal_mask"]
@@ -135,3 +137,72 @@ def test_a_tensor_subclass_that_lies_about_comparisons_is_refused_as_the_grader_
     judgement = run_exercise(get("ch03.causal_mask"), lies)
     assert not judgement.passed
     assert "not a tensor, number, string or list" in judgement.results[0].message
+
+
+def test_a_refused_call_is_said_before_the_checks_that_passed(capsys):
+    def fill_cache(k_chunks, v_chunks, max_seq_len):  # right prefixes, grown with torch.cat
+        k, v = k_chunks[0], v_chunks[0]
+        prefixes = [(k.clone(), v.clone())]
+        for k_new, v_new in zip(k_chunks[1:], v_chunks[1:]):
+            k, v = torch.cat([k, k_new], dim=2), torch.cat([v, v_new], dim=2)
+            prefixes.append((k.clone(), v.clone()))
+        return prefixes
+    with pytest.raises(ExerciseFailed, match="ch08.fill_cache: calls torch.cat"):
+        check("ch08.fill_cache", fill_cache)
+    first, second, *_ = capsys.readouterr().out.splitlines()
+    assert first.startswith("ch08.fill_cache: failed: it calls torch.cat, which this exercise "
+                            "does not allow")
+    assert re.fullmatch(r"  \(apart from that, (\d+)/\1 checks passed\)", second)
+
+
+def naive_softmax(x, dim=-1):
+    e = x.exp()  # overflows to inf for entries ~ +1000: inf / inf is NaN
+    return e / e.sum(dim, keepdim=True)
+
+
+def test_a_result_that_could_not_be_computed_says_so_not_how_large_its_error_is():
+    judgement = run_exercise(get("ch02.stable_softmax"), naive_softmax)
+    failed = {r.name: r.message for r in judgement.results if not r.passed}
+    assert failed["large inputs ~ +1000 (float32)"] == (
+        "your result could not be computed in 32 of its 32 entries: NaN where the expected ones "
+        "are finite (0/0, inf - inf and exp of a large number give these)")
+    assert not any("largest error" in message for message in failed.values())
+    assert "exp overflows" in judgement.reason()  # the typical mistake is still named
+
+
+def test_the_part_of_a_result_that_could_not_be_computed_is_named():
+    exercise = get("ch08.fill_cache")
+    case = exercise.public_cases()[0]
+    answer = exercise.expected(case)
+    answer[1][0][0, 0, -1, 0] = float("nan")  # one entry of the keys after the second chunk
+    answer[1][1][0, 0, -1, 0] = float("inf")
+    result = judge_case(exercise, case, exercise.expected(case), Answer(value=answer))
+    k = answer[1][0]
+    assert result.message.startswith(f"your result[1][0] could not be computed in 1 of its "
+                                     f"{k.numel()} entries: NaN where")
+
+
+def angles_in_float64(positions, head_dim, base=10000.0):
+    theta = base ** (-2 * torch.arange(head_dim // 2, dtype=torch.float64) / head_dim)
+    return positions[:, None].double() * theta  # right values, float64
+
+
+def test_a_wrong_dtype_is_hinted_as_a_dtype_before_any_hint_about_the_values():
+    judgement = run_exercise(get("ch05.rope_angles"), angles_in_float64)
+    assert not judgement.passed and all(not r.passed for r in judgement.results)
+    for r in judgement.results:
+        assert r.message == "your result has dtype torch.float64, expected torch.float32"
+        assert r.hint == ("return torch.float32, not torch.float64 (.to(torch.float32) converts "
+                          "your result): the values are compared once the dtype is right")
+    assert "base" not in judgement.reason()
+    assert run_exercise(get("ch05.rope_angles"),
+                        lambda *a, **k: angles_in_float64(*a, **k).float()).passed
+
+
+def test_the_grade_table_and_report_name_an_exercise_as_the_check_cells_do():
+    grade = NotebookGrade("work/05_rope.ipynb", "05", [
+        ExerciseScore("ch05-rope_angles", 0, 1, False, "not implemented")])
+    assert format_table([grade]).splitlines()[1].split()[:2] == ["work/05_rope.ipynb",
+                                                                 "ch05.rope_angles"]
+    [entry] = report([grade])["notebooks"][0]["exercises"]
+    assert (entry["exercise"], entry["grade_id"]) == ("ch05.rope_angles", "ch05-rope_angles")

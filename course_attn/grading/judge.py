@@ -183,6 +183,55 @@ def name_the_error(exercise: Exercise, case: Case, error: dict) -> str:
     return ""
 
 
+def tensor_pairs(value, expected, case: Case | None = None, where: str = "your result"):
+    """Each tensor of ``value`` with the tensor in its place in ``expected``, and where it is
+    (``"your result[1]['k']"``): tuples and lists item by item, dicts key by key (only the key
+    that ``case`` judges, for a multi-part answer); [] where the two are not laid out alike."""
+    if isinstance(value, torch.Tensor) and isinstance(expected, torch.Tensor):
+        return [(where, value, expected)]
+    if isinstance(value, (tuple, list)) and isinstance(expected, (tuple, list)):
+        if len(value) != len(expected):
+            return []
+        items = [(f"{where}[{i}]", v, e) for i, (v, e) in enumerate(zip(value, expected))]
+    elif isinstance(value, dict) and isinstance(expected, dict):
+        keys = [case.part] if case is not None and case.part else list(expected)
+        if any(key not in value or key not in expected for key in keys):
+            return []
+        items = [(f"{where}[{key!r}]", value[key], expected[key]) for key in keys]
+    else:
+        return []
+    return [pair for item in items for pair in tensor_pairs(item[1], item[2], None, item[0])]
+
+
+def dtype_hint(where: str, actual: torch.Tensor, expected: torch.Tensor) -> str:
+    """The hint for a tensor of the wrong dtype, which says nothing of the values yet."""
+    return (f"return {expected.dtype}, not {actual.dtype} (.to({expected.dtype}) converts "
+            f"{where}): the values are compared once the dtype is right")
+
+
+def not_computed(pairs) -> str:
+    """What says that the answer could not be computed, for the first tensor of ``pairs``
+    (``tensor_pairs``) that holds NaN or an infinity where the expected one is finite, the
+    shapes and dtypes all right; "" if there is none."""
+    if any(a.shape != b.shape or a.dtype != b.dtype for _, a, b in pairs):
+        return ""
+    for where, actual, expected in pairs:
+        if not (actual.is_floating_point() or actual.is_complex()):
+            continue
+        try:
+            finite = expected.isfinite()
+            nan = int((actual.isnan() & finite).sum())
+            inf = int((actual.isinf() & finite).sum())
+        except Exception:  # another device, a meta or sparse tensor: the comparison's message
+            return ""
+        if nan or inf:
+            held = "NaN or inf" if nan and inf else "NaN" if nan else "inf"
+            return (f"{where} could not be computed in {nan + inf} of its {actual.numel()} "
+                    f"entries: {held} where the expected ones are finite (0/0, inf - inf and "
+                    "exp of a large number give these)")
+    return ""
+
+
 def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
                hidden: bool = False) -> CaseResult:
     name, part = case.name, case.part
@@ -200,8 +249,13 @@ def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
         exercise.compare(answer.value, expected, case)
     except AssertionError as error:
         named = name_the_mistake(exercise, case, answer.value)
-        return CaseResult(name, False, str(error) or "wrong answer", named or case.hint, hidden,
-                          bool(named), part)
+        pairs = tensor_pairs(answer.value, expected, case)
+        wrong_dtype = next(((where, a, b) for where, a, b in pairs if a.dtype != b.dtype), None)
+        if wrong_dtype is not None and not named:  # before any hint about the values
+            return CaseResult(name, False, str(error) or "wrong answer",
+                              dtype_hint(*wrong_dtype), hidden, part=part)
+        return CaseResult(name, False, not_computed(pairs) or str(error) or "wrong answer",
+                          named or case.hint, hidden, bool(named), part)
     except Exception as error:  # an answer of a shape the comparison did not foresee
         return CaseResult(name, False, f"your answer could not be compared: {error}",
                           case.hint, hidden, part=part)

@@ -7,6 +7,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .exercise import key_of
+
 
 @dataclass
 class ExerciseScore:
@@ -15,6 +17,12 @@ class ExerciseScore:
     max_points: float
     passed: bool
     reason: str
+
+    @property
+    def exercise(self) -> str:
+        """The key the student reads in the check cells (``ch05.rope_angles``); ``grade_id``
+        (``ch05-rope_angles``) stays nbgrader's, in the notebook and the gradebook."""
+        return key_of(self.grade_id) or self.grade_id
 
 
 @dataclass
@@ -40,7 +48,8 @@ class NotebookGrade:
 
     def to_dict(self) -> dict:
         return {"path": self.path, "chapter": self.chapter, "total": self.total,
-                "max": self.max_points, "exercises": [asdict(e) for e in self.exercises],
+                "max": self.max_points,
+                "exercises": [{"exercise": e.exercise, **asdict(e)} for e in self.exercises],
                 "flags": list(self.flags), "error": self.error,
                 "grader_error": self.grader_error, "seconds": round(self.seconds, 2),
                 "sandbox": self.sandbox}
@@ -77,7 +86,7 @@ def format_table(grades: list[NotebookGrade]) -> str:
     notes: dict[int, list[str]] = {}
     for grade in grades:
         for e in grade.exercises:
-            rows.append((grade.path, e.grade_id, f"{e.points:g} / {e.max_points:g}", e.reason))
+            rows.append((grade.path, e.exercise, f"{e.points:g} / {e.max_points:g}", e.reason))
         rows.append((grade.path, "total", f"{grade.total:g} / {grade.max_points:g}",
                      grade.error or ""))
         notes[len(rows) - 1] = [f"flag: {flag}" for flag in grade.flags]
