@@ -263,8 +263,11 @@ def test_autograde_check_fails_an_unanswered_exercise_and_passes_the_solution(tm
 
 
 def nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:
+    # nbgrader runs the tools of its environment (alembic) by name
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     done = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course,
-                          capture_output=True, text=True, timeout=600)
+                          env={**os.environ, "PATH": path}, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
