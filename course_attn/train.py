@@ -19,8 +19,9 @@ from .arguments import check_positive_ints
 from .data import IGNORE_INDEX, InductionTask, induction_targets
 from .model import GPT, GPTConfig
 
-__all__ = ["TrainedInduction", "accuracy", "induction_head_scores", "ov_circuit",
-           "previous_token_scores", "train", "train_induction_model"]
+__all__ = ["INDUCTION_LR", "INDUCTION_STEPS", "TrainedInduction", "accuracy",
+           "induction_head_scores", "ov_circuit", "previous_token_scores", "train",
+           "train_induction_model"]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -181,6 +182,12 @@ class TrainedInduction:
     previous_token_history: Tensor
 
 
+# Chapter 1's experiment: the learning rate and steps the tiny induction model trains with
+# (chapter 6 compares its own rate with this one).
+INDUCTION_LR = 3e-3
+INDUCTION_STEPS = 300
+
+
 def train_induction_model(*, seed: int = 0, progress: bool = True,
                           record_every: int = 5) -> TrainedInduction:
     """Train a 2-layer attention-only GPT on ``InductionTask`` until it solves it.
@@ -215,8 +222,8 @@ def train_induction_model(*, seed: int = 0, progress: bool = True,
         model = GPT(config)
         initial_model = copy.deepcopy(model).eval()
         record(0, model)
-        losses = train(model, task, steps=300, batch_size=32, lr=3e-3, seed=seed,
-                       progress=progress, device="cpu", on_step=record)
+        losses = train(model, task, steps=INDUCTION_STEPS, batch_size=32, lr=INDUCTION_LR,
+                       seed=seed, progress=progress, device="cpu", on_step=record)
         held_out = torch.Generator().manual_seed(seed + 10_000)
         return TrainedInduction(model, task, losses, accuracy(model, task, generator=held_out),
                                 initial_model, steps, torch.stack(induction),
