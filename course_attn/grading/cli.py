@@ -4,8 +4,9 @@
 of a folder) and prints a table; ``python -m course_attn.grade SUBMISSIONS --gradebook OUT``
 grades a class (``batch.py``); ``python -m course_attn.grade export gradescope|nbgrader OUT``
 builds a Gradescope autograder or an nbgrader course (``export.py``). Reports are written only
-after every process the submissions started is gone, and atomically. Exit status: 0 when every notebook was graded (whatever the
-scores), 1 when the grader itself could not grade one, 2 for a usage error, 130 on Ctrl-C.
+after every process the submissions started is gone, and atomically. Exit status: 0 when every
+notebook was graded (whatever the scores), 1 when the grader itself could not grade one, 2 for
+a usage error, 130 on Ctrl-C.
 """
 
 import argparse
