@@ -8,8 +8,8 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from course_attn import scaled_dot_product_attention
 from course_attn.masks import (
-    attention_mask, causal_mask, combine_masks, dead_rows, padding_mask, sliding_window_mask,
-    to_additive,
+    attention_mask, causal_mask, combine_masks, dead_rows, grouped_query_bias, padding_mask,
+    sliding_window_mask, to_additive,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:Lower right causal bias:UserWarning")
@@ -259,3 +259,39 @@ def test_causal_mask_rejects_bad_lengths(tq, tk, message):
 def test_sliding_window_mask_rejects_a_bad_window(window):
     with pytest.raises(ValueError, match="window"):
         sliding_window_mask(3, 3, window)
+
+
+# --- a tile's bias with the query heads of a key head stacked as rows (GQA) ------------------
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 6, 3, 5), (1, 6, 1, 5), (2, 1, 3, 1), (3, 5)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_grouped_query_bias_is_the_full_bias_with_the_heads_stacked(device, mask_shape, kind):
+    """B = 2, Hq = 6 query heads over Hkv = 2 key heads (G = 3), a tile of n = 3 queries and
+    m = 5 keys: query head h = kv·G + g and query i land on row g·n + i of the kv-th slice."""
+    b, hkv, g, n, m = 2, 2, 3, 3, 5
+    generator = torch.Generator().manual_seed(0)
+    structural = to_additive(causal_mask(n, m, device=device), torch.float64)        # (n, m)
+    if kind == "bool":
+        mask = torch.rand(mask_shape, generator=generator) > 0.3
+    else:
+        mask = torch.randn(mask_shape, generator=generator, dtype=torch.float64)
+    mask = mask.to(device)
+    for structure in (structural, None):
+        full = to_additive(mask, torch.float64).expand(b, hkv * g, n, m)   # (B, Hq, n, m)
+        if structure is not None:
+            full = full + structure
+        expected = torch.empty(b * hkv, g * n, m, dtype=torch.float64, device=device)
+        for batch in range(b):
+            for kv in range(hkv):
+                for head in range(g):
+                    expected[batch * hkv + kv, head * n:(head + 1) * n] = full[batch, kv * g + head]
+        got = grouped_query_bias(structure, mask, (b, hkv, g, n, m), torch.float64)
+        assert torch.equal(got, expected)
+
+
+def test_grouped_query_bias_without_a_mask_is_shared_by_every_batch_and_head(device):
+    structural = to_additive(causal_mask(3, 5, device=device))                        # (3, 5)
+    got = grouped_query_bias(structural, None, (2, 2, 4, 3, 5), torch.float32)
+    assert torch.equal(got, torch.cat([structural] * 4))                              # (G·n, m)
+    assert grouped_query_bias(None, None, (2, 2, 4, 3, 5), torch.float32) is None
