@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-import course_attn.backends as backends
+import course_attn.sdpa as sdpa
 from course_attn.attention import repeat_kv
 from course_attn.backends import BACKENDS, get_backend
 from course_attn.kv_cache import KVCache
@@ -324,7 +324,7 @@ def test_sdpa_one_query_causal_builds_no_mask(monkeypatch, device):
     q, k = randn(1, 4, 1, 8, device=device), randn(1, 2, 6, 8, seed=1, device=device)
     expected = get_backend("math")(q, k, k, is_causal=True, enable_gqa=True)
     with monkeypatch.context() as patch:
-        patch.setattr(backends, "attention_mask", no_mask)
+        patch.setattr(sdpa, "attention_mask", no_mask)
         out = get_backend("sdpa")(q, k, k, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out, expected)
     for window in (1, 3):
