@@ -23,7 +23,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 
-from grading_support import ROOT, SOLUTIONS, edit, require_sandbox, solution_notebook, write  # noqa: E402,E501
+from grading_support import (  # noqa: E402
+    ROOT, SOLUTIONS, edit, require_sandbox, solution_notebook, write,
+)
 
 from course_attn.grading import cli, export  # noqa: E402
 
@@ -215,7 +217,10 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys, argv, message):
 def test_an_nbgrader_course_goes_into_an_empty_folder_only(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("")
     assert cli.main(["export", "nbgrader", str(tmp_path)]) == 2
-    assert f"OUT {tmp_path} is a folder that is not empty" in capsys.readouterr().err
+    assert f"OUT {tmp_path} exists and is not an empty folder" in capsys.readouterr().err
+    assert cli.main(["export", "nbgrader", str(tmp_path / "notes.txt")]) == 2
+    assert f"OUT {tmp_path / 'notes.txt'} exists and is not an empty folder" in \
+        capsys.readouterr().err
 
 
 # --- nbgrader -------------------------------------------------------------------------------
@@ -236,6 +241,18 @@ def test_the_nbgrader_source_adds_a_hidden_test_to_every_check_cell(tmp_path):
             key = before.source.split('"')[1]
             assert after.source.startswith(before.source + "\n### BEGIN HIDDEN TESTS\n")
             assert f"autograde_check({key!r}, " in after.source
+
+
+def test_a_graded_cell_that_is_not_one_check_call_is_refused(tmp_path, capsys):
+    solutions = tmp_path / "solutions"
+    (solutions / "hidden").mkdir(parents=True)
+    nb = edit(solution_notebook(SOLUTIONS / CHAPTER),
+              replace={"ch01-attend": 'check("ch01.attend", attend)\nprint("done")'})
+    write(nb, solutions / CHAPTER)
+    out = tmp_path / "course"
+    assert cli.main(["export", "nbgrader", str(out), "--solutions", str(solutions)]) == 2
+    assert (f"graded cell ch01-attend of {solutions / CHAPTER} is not one check(\"key\", "
+            "answer) call") in capsys.readouterr().err
 
 
 def test_autograde_check_fails_an_unanswered_exercise_and_passes_the_solution(tmp_path,

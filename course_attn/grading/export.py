@@ -72,7 +72,8 @@ cd "$COURSE"
 exec "$PYTHON" -m course_attn.grade export gradescope-autograde "$ROOT" {options}
 """
 
-NBGRADER_CONFIG = """# nbgrader's configuration of this course folder (python -m course_attn.grade export nbgrader).
+NBGRADER_CONFIG = """# nbgrader's configuration of this course folder
+# (written by python -m course_attn.grade export nbgrader).
 c = get_config()  # noqa: F821 (nbgrader defines it)
 c.CourseDirectory.root = {root!r}
 c.CourseDirectory.course_id = "course_attn"
@@ -137,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             write_gradescope_autograder(args.out, solutions, visibility=args.visibility,
                                         sandbox=not args.no_sandbox)
         else:
-            if args.out.exists() and any(args.out.iterdir()):
-                raise ValueError(f"OUT {args.out} is a folder that is not empty")
+            if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+                raise ValueError(f"OUT {args.out} exists and is not an empty folder")
             write_nbgrader_course(args.out, solutions)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -235,6 +236,7 @@ def gradescope_autograde(root: Path, *, visibility: str = "visible", sandbox: bo
     ``root/results/results.json``. Returns 0 when it was written; 1, with the grader's error
     printed and no results.json, when the grader itself failed (Gradescope then shows the
     autograder as failed, and the instructor can rerun it)."""
+    root = root.resolve()
     submission, results = root / "submission", root / "results" / "results.json"
     notebooks = submitted_notebooks(submission)
     if not notebooks:
@@ -244,8 +246,9 @@ def gradescope_autograde(root: Path, *, visibility: str = "visible", sandbox: bo
         return 0
     with tempfile.TemporaryDirectory() as scratch:
         report_path = Path(scratch) / "report.json"
+        solutions = root / "source" / "course" / "solutions"
         command = [sys.executable, "-m", "course_attn.grade", *map(str, notebooks),
-                   "--json", str(report_path), "--solutions", str(Path("solutions").resolve())]
+                   "--json", str(report_path), "--solutions", str(solutions)]
         done = subprocess.run(command + ([] if sandbox else ["--no-sandbox"]),
                               capture_output=True, text=True)
         print(done.stdout, end="")
@@ -269,10 +272,14 @@ def write_nbgrader_course(out: Path, solutions: Path) -> None:
     for path in sorted(solutions.glob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
         for cell in nb.cells:
+            if not cell.get("metadata", {}).get("nbgrader", {}).get("grade"):
+                continue
             key = _checked_key(cell)
-            if key is not None:
-                answer = cell.source.split(",", 1)[1].rsplit(")", 1)[0].strip()
-                cell.source = cell.source.rstrip() + HIDDEN_TEST.format(key=key, answer=answer)
+            if key is None:  # check() passes an unanswered exercise: nbgrader would too
+                raise ValueError(f"graded cell {grade_id(cell)} of {path} is not one "
+                                 "check(\"key\", answer) call: no hidden test can follow it")
+            answer = cell.source.split(",", 1)[1].rsplit(")", 1)[0].strip()
+            cell.source = cell.source.rstrip() + HIDDEN_TEST.format(key=key, answer=answer)
         folder = out / "source" / path.stem
         folder.mkdir(parents=True)
         nbformat.write(nb, folder / path.name)
