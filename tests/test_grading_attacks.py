@@ -559,7 +559,7 @@ ATTACKS = {
     # ch03.masked_attention: attention kernels
     "sibling_sdpa_backend": Attack(
         "issue 8: the package's SDPA backend", "03_a", "ch03-masked_attention",
-        SIBLING_BACKEND, banned("course_attn.backends.sdpa_attention")),
+        SIBLING_BACKEND, banned("course_attn.sdpa.sdpa_attention")),
     "fused_attention": Attack(
         "issue 8: F.scaled_dot_product_attention", "03_b", "ch03-masked_attention",
         FUSED_ATTENTION, banned("torch.nn.functional.scaled_dot_product_attention")),

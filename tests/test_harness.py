@@ -259,7 +259,7 @@ def test_composites_are_refused_by_name_whatever_the_route():
 def test_the_package_is_refused_by_file_not_by_its_path_attribute(monkeypatch):
     assert guarded(lambda: course_attn.causal_mask(3, 4))[0] == "course_attn.masks.causal_mask"
     assert guarded(lambda: course_attn.backends.sdpa_attention(*[X[None, None]] * 3))[0] == \
-        "course_attn.backends.sdpa_attention"
+        "course_attn.sdpa.sdpa_attention"
     monkeypatch.setattr(course_attn, "__path__", [])
     assert guarded(lambda: course_attn.causal_mask(3, 4))[0] == "course_attn.masks.causal_mask"
     # a copy compiled from the package's own file is still the package's code
