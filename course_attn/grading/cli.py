@@ -76,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m course_attn.grade",
         description="Grade exercise notebooks: each runs in a fresh kernel, on a copy, with "
-                    "time and memory limits. With --gradebook, grade a whole class.")
+                    "time and memory limits. With --gradebook, grade a whole class.",
+        epilog="python -m course_attn.grade export gradescope|nbgrader OUT packs this grader "
+               "for Gradescope or nbgrader (export --help).")
     parser.add_argument("paths", nargs="+", metavar="PATH",
                         help="a notebook, or a folder of notebooks (*.ipynb); with --gradebook, "
                              "the one folder of submissions (a file or a folder per student)")
