@@ -4,9 +4,9 @@ from .attention import attention_weights, repeat_kv, scaled_dot_product_attentio
 from .backends import BACKENDS, get_backend, register
 from .device import available_devices, default_device, seed_everything
 from .flash import flash_attention, merge_attention_states, online_softmax
-from .kv_cache import KVCache
+from .kv_cache import KVCache, RollingKVCache
 from .linear import linear_attention
-from .local import RollingKVCache, local_attention
+from .local import local_attention
 from .mla import MultiHeadLatentAttention
 from .multihead import MultiHeadAttention
 from .norm import RMSNorm, rms_norm

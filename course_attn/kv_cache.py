@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .arguments import check_positive_ints
+from .arguments import check_non_negative_ints, check_positive_ints
 from .masks import band_mask
 
 __all__ = ["CacheView", "KVCache", "RollingKVCache", "is_kv_cache"]
@@ -200,8 +200,7 @@ class RollingKVCache(_KVBuffers):
         value_dim = head_dim if value_dim is None else value_dim
         check_positive_ints(batch_size=batch_size, n_kv_heads=n_kv_heads, window=window,
                             head_dim=head_dim, value_dim=value_dim)
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-            raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+        check_non_negative_ints(sinks=sinks)
         super().__init__(batch_size, n_kv_heads, sinks + window, head_dim, value_dim, dtype,
                          device)
         self.window, self.sinks = window, sinks

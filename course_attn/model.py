@@ -275,8 +275,7 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float
         check_positive_ints(top_k=top_k)
     if prefill_chunk is not None:
         check_positive_ints(prefill_chunk=prefill_chunk)
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+    check_non_negative_ints(sinks=sinks)
     if sinks and not rolling:
         raise ValueError(f"sinks={sinks} are kept by a rolling cache: pass rolling=True too")
     if rolling and not use_cache:

@@ -1,4 +1,4 @@
-"""local.py's RollingKVCache: it holds exactly the last ``window`` tokens (and the first ``sinks``)
+"""RollingKVCache (kv_cache.py): it holds exactly the last ``window`` tokens (and the first ``sinks``)
 in a buffer allocated once, never overflows, and refuses bad input; decoding through it
 (MultiHeadAttention, GPT, generate) equals decoding through a full KVCache with the window mask,
 and with sinks equals full attention under the mask "in the window OR one of the first sinks"."""
@@ -122,8 +122,8 @@ def test_visible_is_the_window_or_the_sinks():
     ((1, 1, 0, 2), {}, "window must be a positive int, got 0"),
     ((1, 1, True, 2), {}, "window must be a positive int, got True"),
     ((1, 1, 4, 2.0), {}, "head_dim must be a positive int"),
-    ((1, 1, 4, 2), {"sinks": -1}, "sinks must be an int >= 0, got -1"),
-    ((1, 1, 4, 2), {"sinks": 1.5}, "sinks must be an int >= 0"),
+    ((1, 1, 4, 2), {"sinks": -1}, "sinks must be a non-negative int, got -1"),
+    ((1, 1, 4, 2), {"sinks": 1.5}, "sinks must be a non-negative int"),
     ((1, 1, 4, 2), {"value_dim": 0}, "value_dim must be a positive int"),
     ((1, 1, 4, 2), {"dtype": torch.int64}, "dtype must be a floating torch.dtype"),
 ])
@@ -313,7 +313,7 @@ def test_generate_and_new_rolling_caches_refuse_what_they_cannot_do():
         generate(gpt(), idx, 3, sinks=2)
     with pytest.raises(ValueError, match="use_cache=False"):
         generate(gpt(), idx, 3, rolling=True, use_cache=False)
-    with pytest.raises(ValueError, match="sinks must be an int >= 0"):
+    with pytest.raises(ValueError, match="sinks must be a non-negative int"):
         generate(gpt(), idx, 3, rolling=True, sinks=-1)
     with pytest.raises(ValueError, match="needs a model with a window"):
         generate(gpt(window=None), idx, 3, rolling=True)
