@@ -137,7 +137,7 @@ def test_a_solution_gets_full_marks(graded):
                           "ch01-induction_score"}
     assert all(t["score"] == t["max_score"] and t["status"] == "passed" for t in tests.values())
     assert sum(t["max_score"] for t in tests.values()) == MAX_POINTS
-    assert "full/01_intuition.ipynb: 14 / 14 (graded in a sandbox: bubblewrap" in \
+    assert "full/01_intuition.ipynb: 14 / 14 (sandbox: bubblewrap" in \
         graded[0]["output"]
 
 

@@ -226,7 +226,7 @@ def gradescope_results(report: dict, submission: Path, *, visibility: str = "vis
         if notebook["grader_error"]:
             notes.append(f"{shown}: the grader could not grade it; ask your instructor to regrade")
         notes.append(f"{shown}: {notebook['total']:g} / {notebook['max']:g} "
-                     f"(graded in a sandbox: {notebook['sandbox'] or 'none'})")
+                     f"(sandbox: {notebook['sandbox'] or 'none'})")
     return {"score": float(report["total"]), "output": "\n".join(notes), "tests": tests,
             "visibility": visibility, "stdout_visibility": "hidden"}
 
