@@ -133,8 +133,8 @@ def test_results_json_has_gradescopes_format(graded):
 
 def test_a_solution_gets_full_marks(graded):
     tests = exercise_tests(graded[0], "full")
-    assert set(tests) == {"ch01-softmax_list", "ch01-soft_lookup", "ch01-attend",
-                          "ch01-induction_score"}
+    assert set(tests) == {"ch01.softmax_list", "ch01.soft_lookup", "ch01.attend",
+                          "ch01.induction_score"}
     assert all(t["score"] == t["max_score"] and t["status"] == "passed" for t in tests.values())
     assert sum(t["max_score"] for t in tests.values()) == MAX_POINTS
     assert "full/01_intuition.ipynb: 14 / 14 (sandbox: bubblewrap" in \
@@ -150,11 +150,11 @@ def test_a_blank_notebook_gets_zero(graded):
 def test_a_typical_mistake_gets_its_hint(graded):
     results, _ = graded
     tests = exercise_tests(results, "mistake")
-    wrong = tests["ch01-softmax_list"]
+    wrong = tests["ch01.softmax_list"]
     assert wrong["score"] == 0 and wrong["status"] == "failed"
     assert "hint: math.exp(1000) overflows" in wrong["output"], wrong["output"]
     assert all(t["score"] == t["max_score"] for name, t in tests.items()
-               if name != "ch01-softmax_list")
+               if name != "ch01.softmax_list")
     assert results["score"] == MAX_POINTS + 0 + (MAX_POINTS - wrong["max_score"])
 
 
@@ -166,14 +166,14 @@ def test_one_notebook_gives_tests_named_by_exercise_and_an_error_a_test_of_its_o
         {"path": str(submission / "03_masking.ipynb"), "total": 3.0, "max": 7, "error": None,
          "grader_error": False, "sandbox": "bubblewrap", "flags": ["locked cell ch03-x was "
                                                                    "modified"],
-         "exercises": [{"grade_id": "ch03-a", "points": 3.0, "max_points": 3, "passed": True,
-                        "reason": "passed"},
+         "exercises": [{"exercise": "ch03.a", "grade_id": "ch03-a", "points": 3.0,
+                        "max_points": 3, "passed": True, "reason": "passed"},
                        {"grade_id": "ch03-b", "points": 0.0, "max_points": 4, "passed": False,
                         "reason": "1 of 5 cases failed (first, a hidden case: wrong; hint: h)"}]}]}
     results = export.gradescope_results(report, submission, visibility="after_published")
     assert_gradescope_format(results)
     assert [(t["name"], t["score"], t["max_score"]) for t in results["tests"]] == [
-        ("ch03-a", 3.0, 3.0), ("ch03-b", 0.0, 4.0)]
+        ("ch03.a", 3.0, 3.0), ("ch03-b", 0.0, 4.0)]  # a report without "exercise": its grade_id
     assert results["tests"][1]["output"].endswith("hint: h)")
     assert {t["visibility"] for t in results["tests"]} == {"after_published"}
     assert "locked cell ch03-x was modified" in results["output"]

@@ -202,9 +202,10 @@ def submitted_notebooks(submission: Path) -> list[Path]:
 
 def gradescope_results(report: dict, submission: Path, *, visibility: str = "visible") -> dict:
     """Gradescope's results.json made of the grader's JSON report (``report.report``): one
-    test per exercise (name: its grade_id, prefixed by the notebook when several were
-    uploaded; output: the grader's reason, hint included), a test of 0 points for a notebook
-    that could not be graded, and the flags and sandbox in the top-level output."""
+    test per exercise (name: its key as the check cells show it, ``ch03.causal_mask``,
+    prefixed by the notebook when several were uploaded; output: the grader's reason, hint
+    included), a test of 0 points for a notebook that could not be graded, and the flags and
+    sandbox in the top-level output."""
     notebooks = report["notebooks"]
     tests, notes = [], []
     for notebook in notebooks:
@@ -217,7 +218,8 @@ def gradescope_results(report: dict, submission: Path, *, visibility: str = "vis
                           "output": notebook["error"], "visibility": visibility,
                           "status": "failed"})
         for exercise in notebook["exercises"]:
-            tests.append({"name": prefix + exercise["grade_id"],
+            name = exercise.get("exercise", exercise["grade_id"])  # older reports: grade_id
+            tests.append({"name": prefix + name,
                           "score": float(exercise["points"]),
                           "max_score": float(exercise["max_points"]),
                           "output": exercise["reason"], "visibility": visibility,
