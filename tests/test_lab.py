@@ -32,7 +32,7 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]  # 
 
 def _missing() -> str | None:
     if not (VENV / ".installed").exists() or not (VENV / "bin" / "jupyter").exists():
-        return "the .venv is not installed: run `make help` after `make test` once"
+        return "the .venv is not installed (`make lab` or `make test` installs it)"
     if not Path(CHROMIUM).exists():
         return "chromium is not installed (apt-get install chromium)"
     try:
