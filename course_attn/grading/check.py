@@ -9,6 +9,7 @@ hidden ones included, and judges the answers outside the student's process.
 import copy
 from pathlib import Path
 
+from ..colab import tell_where_the_grader_runs
 from .exercise import Exercise, get
 from .harness import Guard, WireError, decode, encode, error_as_data
 from .judge import Answer, Judgement, format_judgement, judge_case
@@ -89,6 +90,7 @@ def check(key: str, fn) -> None:
         raise
     judgement = run_exercise(exercise, fn)
     print(format_judgement(judgement))
+    tell_where_the_grader_runs()
     if not judgement.passed and not judgement.not_implemented:
         failed = sum(not r.passed for r in judgement.results)
         what = judgement.reason() if judgement.banned else \

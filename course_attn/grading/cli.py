@@ -120,9 +120,7 @@ def _validate(args) -> None:
         raise ValueError(f"--memory-mb must be 0 (no limit) or at least 256, got "
                          f"{args.memory_mb}: the kernel alone needs about 350 MB")
     if not args.solutions.is_dir():
-        raise ValueError(f"solutions folder {args.solutions} does not exist: the grader needs "
-                         "the course's solutions/ (run it from the course repository, or give "
-                         "--solutions DIR)")
+        raise ValueError(grader.missing_solutions(args.solutions))
     if not args.no_sandbox and sandbox.unavailable():
         raise ValueError(f"{sandbox.unavailable()}; or grade without it: --no-sandbox (only "
                          "for work you trust)")
