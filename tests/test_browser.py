@@ -3,13 +3,21 @@
 Every page: no console error at all (none is ignored), no request leaving 127.0.0.1, every
 formula rendered by MathJax, no stray ``$`` left in the prose (math that the parser did not
 recognise), every image loaded, every internal link resolving, no absolute path of the build
-machine in the visible text. Exercise pages show no traceback. The search page finds "rotary".
+machine in the visible text. Exercise pages show no traceback. Accessibility: axe-core finds no
+serious or critical violation on any page, in light and in dark mode, and every figure has alt
+text that says what it shows (not its file name). The search page finds "rotary".
 Full-page screenshots of the chapters, their exercises and the appendices are saved to
 ``artifacts/pages/`` (and one chapter's first screen to ``artifacts/chapter.png``) for a person
 to look at.
 
 Needs ``make book`` and /usr/bin/chromium (``.ci/run`` installs it). Without them these tests
-skip, unless ``REQUIRE_BOOK=1`` (set by CI) turns a missing piece into a failure.
+skip, unless ``REQUIRE_BOOK=1`` (set by CI) turns a missing piece into a failure. ``BOOK_HTML``
+points them at another build (e.g. one made with ``jupyter-book build . --path-output DIR``:
+``BOOK_HTML=DIR/_build/html``).
+
+axe-core is vendored, one file, as npm publishes it (``tests/vendor/axe.min.js``, MPL-2.0, its
+header kept; ``tests/vendor/README.md`` says which version and how to update it), so that the
+test needs neither npm nor the network.
 """
 
 import functools
@@ -28,7 +36,7 @@ from urllib.parse import urldefrag, urljoin, urlparse
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HTML = ROOT / "_build" / "html"
+HTML = Path(os.environ.get("BOOK_HTML") or ROOT / "_build" / "html").resolve()
 ARTIFACTS = ROOT / "artifacts"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
@@ -42,6 +50,17 @@ INSTALL_DIRS = re.compile(r"(site|dist)-packages")
 # Where visible prose ends: code, program output, and what MathJax drew.
 NOT_PROSE = "pre, code, kbd, samp, script, style, textarea, mjx-container, math, .highlight"
 SCREENSHOTS = ("book/0", "exercises/", "book/appendix_")
+AXE = ROOT / "tests" / "vendor" / "axe.min.js"
+# axe's impact levels that fail a page (the others, moderate and minor, are reported by axe only).
+BLOCKING = ("serious", "critical")
+AXE_RUN = """async blocking => {
+    const result = await axe.run(document, {resultTypes: ["violations"]});
+    return result.violations.filter(v => blocking.includes(v.impact)).map(v =>
+        `${v.id} (${v.impact}, ${v.nodes.length}x): ${v.help}; ` +
+        `e.g. ${v.nodes[0].target.join(" ")}`);
+}"""
+# A figure's alt text that only names its file: what Sphinx writes when no alt is given.
+FILE_NAME_ALT = re.compile(r"^\S*\.(png|jpe?g|svg|gif)$", re.IGNORECASE)
 
 
 def _missing() -> str | None:
@@ -164,6 +183,8 @@ class Reading:
     traceback_blocks: int
     broken_images: list[str]
     hrefs: list[str]
+    images: list[tuple[str, str]]  # (src, alt) of every figure: a cell's output, a figure
+    accessibility: dict[str, list[str]]  # colour scheme -> axe's serious and critical violations
 
 
 STRAY_DOLLARS = """skip => {
@@ -181,6 +202,13 @@ STRAY_DOLLARS = """skip => {
     }
     return found;
 }"""
+
+
+def run_axe(page) -> list[str]:
+    """axe-core's serious and critical violations on the page as it is now, one line each."""
+    if not page.evaluate("() => typeof axe !== 'undefined'"):
+        page.add_script_tag(content=AXE.read_text(encoding="utf-8"))
+    return page.evaluate(AXE_RUN, list(BLOCKING))
 
 
 def screenshot_path(page: str) -> Path:
@@ -218,11 +246,20 @@ def read(browser, site):
                     "img", "els => els.filter(i => !(i.complete && i.naturalWidth > 0))"
                            ".map(i => i.src)"),
                 hrefs=p.eval_on_selector_all("a[href]", "els => els.map(a => a.href)"),
+                images=p.eval_on_selector_all(
+                    "main .cell_output img, main figure img",
+                    "els => els.map(i => [i.src, i.getAttribute('alt') || ''])"),
+                accessibility={"light": run_axe(p)},
             )
             if page.startswith(SCREENSHOTS):
                 p.evaluate("async () => { await document.fonts.ready; }")
                 screenshot_path(page).parent.mkdir(parents=True, exist_ok=True)
                 p.screenshot(path=str(screenshot_path(page)), full_page=True)
+            p.emulate_media(color_scheme="dark")   # the theme follows it (default_mode: auto)
+            p.wait_for_function("document.documentElement.dataset.theme === 'dark'")
+            # The theme fades its colours in: judged mid-transition, a text can lack contrast.
+            p.wait_for_function("document.getAnimations().every(a => a.playState !== 'running')")
+            cache[page].accessibility["dark"] = run_axe(p)
         finally:
             visit.close()
         return cache[page]
@@ -271,6 +308,22 @@ def test_no_path_of_the_machine_that_built_it(read, page):
     r = read(page)
     paths = [m for m in MACHINE_PATHS if m in r.text] + INSTALL_DIRS.findall(r.text)
     assert not paths, f"{page} shows paths of the machine that built it: {sorted(set(paths))}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_serious_or_critical_accessibility_violation(read, page):
+    r = read(page)
+    for scheme, violations in r.accessibility.items():
+        assert not violations, f"{page} ({scheme} mode), axe-core: " + "; ".join(violations)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_figure_has_alt_text_that_says_what_it_shows(read, page):
+    r = read(page)
+    unsaid = [src.rsplit("/", 1)[-1] for src, alt in r.images
+              if len(alt.split()) < 4 or FILE_NAME_ALT.match(alt.strip())]
+    assert not unsaid, (f"{page}: figures without alt text that describes them (cell metadata "
+                        f"mystnb: image: alt: ...): {unsaid}")
 
 
 @pytest.mark.parametrize("page", EXERCISE_PAGES)
