@@ -421,3 +421,21 @@ def test_in_a_checkout_any_cell_a_student_wrote_or_added_is_refused(generated_di
                                     capture_output=True, check=True).stdout)
     assert run_main("--solutions", solutions, "--exercises", exercises) == 0
     assert check_exercises(solutions, exercises) == []
+
+
+def test_the_refusal_offers_a_free_name_when_work_has_that_notebook(generated_dirs, capsys,
+                                                                    monkeypatch):
+    """`make work NB=...` refuses when work/ holds a notebook of that name: the refusal then
+    offers a copy under the first free name."""
+    solutions, exercises = generated_dirs
+    monkeypatch.chdir(exercises.parent)
+    path = exercises / "01_a.ipynb"
+    edit(path, answer="    return 2 * x")
+    (exercises.parent / "work").mkdir()
+    (exercises.parent / "work" / "01_a.ipynb").write_text("{}")
+    (exercises.parent / "work" / "01_a-2.ipynb").write_text("{}")
+    assert run_main("--solutions", solutions, "--exercises", exercises) == 1
+    err = capsys.readouterr().err
+    assert f"  cp {path} work/01_a-3.ipynb\n" in err and "make work NB" not in err
+    assert check_exercises(solutions, exercises)[0].endswith("`cp " + str(path)
+                                                             + " work/01_a-3.ipynb`")

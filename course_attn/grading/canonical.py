@@ -9,8 +9,8 @@ from pathlib import Path
 import nbformat
 
 from .exercise import Exercise, get, key_of
-from .generate import generate_notebook, grade_id, is_grade_cell, is_locked_cell, \
-    is_solution_cell, nbgrader_metadata
+from .cells import grade_id, is_grade_cell, is_locked_cell, is_solution_cell, nbgrader_metadata
+from .generate import generate_notebook
 from .notebook import chapter_of, read_notebook
 
 

@@ -305,7 +305,8 @@ def _stale_exercises(expected: dict[Path, str], exercises_dir: Path) -> list[Pat
 
 def _student_work(path: Path, why: list[str]) -> str:
     """The part of a ``check_exercises`` line that says a file holds a student's work."""
-    return f"holds a student's work ({'; '.join(why)}); keep it in work/ with `make work NB={path}`"
+    return (f"holds a student's work ({'; '.join(why)}); keep it in work/ with "
+            f"`{_keep_command(path)}`")
 
 
 def check_exercises(solutions_dir: Path | str, exercises_dir: Path | str) -> list[str]:
@@ -335,6 +336,17 @@ OUT_OF_DATE = ("{count} exercise notebook(s) differ from a fresh generation of {
                "student's work: copy such a notebook to work/ first (`make work NB=PATH`).")
 
 
+def _keep_command(path: Path, work_dir: Path = Path("work")) -> str:
+    """The command that copies ``path`` into ``work_dir``: `make work` while its name is free
+    there, else a copy under the first free name (`make work` never overwrites)."""
+    if not (work_dir / path.name).exists():
+        return f"make work NB={path}"
+    n = 2
+    while (work_dir / f"{path.stem}-{n}{path.suffix}").exists():
+        n += 1
+    return f"cp {path} {work_dir / f'{path.stem}-{n}{path.suffix}'}"
+
+
 def refusal_message(error: StudentWorkError) -> str:
     """What ``main`` prints when it refuses to overwrite a student's work: which files, why,
     and the commands that keep the work and then regenerate."""
@@ -342,7 +354,7 @@ def refusal_message(error: StudentWorkError) -> str:
     lines += [f"  {path}: {'; '.join(why)}" for path, why in error.edited.items()]
     lines += ["Nothing was written. To keep that work, copy it to work/, which no command of the "
               "course overwrites:"]
-    lines += [f"  make work NB={path}" for path in error.edited]
+    lines += [f"  {_keep_command(path)}" for path in error.edited]
     lines += ["Then regenerate, discarding the edits left in exercises/:",
               "  make exercises FORCE=1    (or: python -m course_attn.grading.generate --force)"]
     return "\n".join(lines)

@@ -94,7 +94,7 @@ from ..colab import a_clone_of_the_course
 from .canonical import Canonical, GradedExercise, GraderError, UnknownChapter, \
     load_canonicals, lookup_in
 from .exercise import hidden_cases, load_hidden
-from .generate import grade_id
+from .cells import grade_id
 from .harness import SWITCHES_OFF, WireError, decode, encode
 from .operations import guard_options
 from .review import review_flags
