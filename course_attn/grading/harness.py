@@ -489,55 +489,40 @@ def _visit_other_threads(visit) -> None:
         sys.setprofile(mine)
 
 
-class _ThreadState310(ctypes.Structure):  # the head of CPython 3.10's PyThreadState
-    _fields_ = [("prev", ctypes.c_void_p), ("next", ctypes.c_void_p),
-                ("interp", ctypes.c_void_p), ("frame", ctypes.c_void_p),
-                ("recursion_depth", ctypes.c_int), ("recursion_headroom", ctypes.c_int),
-                ("stackcheck_counter", ctypes.c_int), ("tracing", ctypes.c_int),
-                ("cframe", ctypes.c_void_p), ("c_profilefunc", ctypes.c_void_p),
-                ("c_tracefunc", ctypes.c_void_p), ("c_profileobj", ctypes.c_void_p),
-                ("c_traceobj", ctypes.c_void_p)]
+def _thread_state(version: str, *middle: str):
+    """The head of CPython ``version``'s PyThreadState, as far as the profiler fields: three
+    pointers (prev, next, interp), then ``middle`` ("name:type", type p, i or u for pointer,
+    int, unsigned), then the profile and trace functions and objects. Checked at run time by a
+    probe profiler, so a wrong layout is never used."""
+    types = {"p": ctypes.c_void_p, "i": ctypes.c_int, "u": ctypes.c_uint}
+    fields = [(name, types[kind]) for name, kind in (m.split(":") for m in middle)]
+    pointers = [(name, ctypes.c_void_p) for name in ("prev", "next", "interp")]
+    profile = [(name, ctypes.c_void_p) for name in ("c_profilefunc", "c_tracefunc",
+                                                    "c_profileobj", "c_traceobj")]
+    return type(f"_ThreadState{version}", (ctypes.Structure,),
+                {"_fields_": pointers + fields + profile})
 
 
-class _ThreadState311(ctypes.Structure):  # the head of CPython 3.11's PyThreadState
-    _fields_ = [("prev", ctypes.c_void_p), ("next", ctypes.c_void_p),
-                ("interp", ctypes.c_void_p), ("_initialized", ctypes.c_int),
-                ("_static", ctypes.c_int), ("recursion_remaining", ctypes.c_int),
-                ("recursion_limit", ctypes.c_int), ("recursion_headroom", ctypes.c_int),
-                ("tracing", ctypes.c_int), ("tracing_what", ctypes.c_int),
-                ("cframe", ctypes.c_void_p), ("c_profilefunc", ctypes.c_void_p),
-                ("c_tracefunc", ctypes.c_void_p), ("c_profileobj", ctypes.c_void_p),
-                ("c_traceobj", ctypes.c_void_p)]
-
-
-class _ThreadState312(ctypes.Structure):  # the head of CPython 3.12's PyThreadState
-    _fields_ = [("prev", ctypes.c_void_p), ("next", ctypes.c_void_p),
-                ("interp", ctypes.c_void_p), ("_status", ctypes.c_uint),
-                ("py_recursion_remaining", ctypes.c_int), ("py_recursion_limit", ctypes.c_int),
-                ("c_recursion_remaining", ctypes.c_int), ("recursion_headroom", ctypes.c_int),
-                ("tracing", ctypes.c_int), ("what_event", ctypes.c_int),
-                ("cframe", ctypes.c_void_p), ("c_profilefunc", ctypes.c_void_p),
-                ("c_tracefunc", ctypes.c_void_p), ("c_profileobj", ctypes.c_void_p),
-                ("c_traceobj", ctypes.c_void_p)]
-
-
-class _ThreadState313(ctypes.Structure):  # the head of CPython 3.13's PyThreadState
-    _fields_ = [("prev", ctypes.c_void_p), ("next", ctypes.c_void_p),
-                ("interp", ctypes.c_void_p), ("eval_breaker", ctypes.c_void_p),
-                ("_status", ctypes.c_uint), ("_whence", ctypes.c_int), ("state", ctypes.c_int),
-                ("py_recursion_remaining", ctypes.c_int), ("py_recursion_limit", ctypes.c_int),
-                ("c_recursion_remaining", ctypes.c_int), ("recursion_headroom", ctypes.c_int),
-                ("tracing", ctypes.c_int), ("what_event", ctypes.c_int),
-                ("current_frame", ctypes.c_void_p), ("c_profilefunc", ctypes.c_void_p),
-                ("c_tracefunc", ctypes.c_void_p), ("c_profileobj", ctypes.c_void_p),
-                ("c_traceobj", ctypes.c_void_p)]
+_THREAD_STATES = {
+    (3, 10): _thread_state("310", "frame:p", "recursion_depth:i", "recursion_headroom:i",
+                           "stackcheck_counter:i", "tracing:i", "cframe:p"),
+    (3, 11): _thread_state("311", "_initialized:i", "_static:i", "recursion_remaining:i",
+                           "recursion_limit:i", "recursion_headroom:i", "tracing:i",
+                           "tracing_what:i", "cframe:p"),
+    (3, 12): _thread_state("312", "_status:u", "py_recursion_remaining:i",
+                           "py_recursion_limit:i", "c_recursion_remaining:i",
+                           "recursion_headroom:i", "tracing:i", "what_event:i", "cframe:p"),
+    (3, 13): _thread_state("313", "eval_breaker:p", "_status:u", "_whence:i", "state:i",
+                           "py_recursion_remaining:i", "py_recursion_limit:i",
+                           "c_recursion_remaining:i", "recursion_headroom:i", "tracing:i",
+                           "what_event:i", "current_frame:p"),
+}
 
 
 def _c_api():
     """CPython's functions for walking thread states and setting their profiler, and the
     layout of a thread state; None where this is not CPython 3.10 to 3.13."""
-    layout = {(3, 10): _ThreadState310, (3, 11): _ThreadState311, (3, 12): _ThreadState312,
-              (3, 13): _ThreadState313}.get(sys.version_info[:2])
+    layout = _THREAD_STATES.get(sys.version_info[:2])
     if layout is None or sys.implementation.name != "cpython":
         return None
     try:
