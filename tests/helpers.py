@@ -4,9 +4,12 @@ swept over, a tiny GPT, and what a command line printed. Test modules import it 
 another."""
 
 import math
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import strategies as st
 from torch import nn
@@ -142,3 +145,27 @@ def one_line_error(capsys) -> str:
     assert out == "" and err.count("\n") == 1 and err.endswith("\n"), err
     assert err.startswith("python -m course_attn.bench: error: "), err
     return err
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# What the browser tests start Debian's chromium with: no sandbox (root in a container), no GPU,
+# and nothing that reaches out to the network on its own.
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-quic", "--disable-component-update", "--disable-sync",
+                  "--no-first-run"]
+
+
+def require_browser(missing: str | None = None) -> None:
+    """Skip the calling test module (at import) unless chromium and playwright are here, or
+    ``missing`` (what else it lacks) is None; with REQUIRE_BOOK set (CI), fail instead."""
+    if missing is None and not Path(CHROMIUM).exists():
+        missing = "chromium is not installed (apt-get install chromium)"
+    if missing is None:
+        try:
+            import playwright.sync_api  # noqa: F401
+        except ImportError:
+            missing = "playwright is not installed"
+    if missing is not None:
+        if os.environ.get("REQUIRE_BOOK"):
+            raise RuntimeError(f"REQUIRE_BOOK is set but {missing}")
+        pytest.skip(missing, allow_module_level=True)

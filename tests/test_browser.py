@@ -24,7 +24,6 @@ import functools
 import http.server
 import os
 import re
-import shutil
 import sys
 import sysconfig
 import threading
@@ -34,13 +33,12 @@ from pathlib import Path
 from urllib.parse import urldefrag, urljoin, urlparse
 
 import pytest
+from helpers import CHROMIUM, require_browser
+from helpers import CHROMIUM_FLAGS as FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 HTML = Path(os.environ.get("BOOK_HTML") or ROOT / "_build" / "html").resolve()
 ARTIFACTS = ROOT / "artifacts"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
-         "--disable-component-update", "--disable-sync", "--no-first-run"]
 # Text that tells where the book was built, never meant for a reader (a traceback's file names,
 # a printed path): the checkout and the folder around it, the interpreter's installation.
 MACHINE_PATHS = sorted({str(ROOT), f"{ROOT.parent}/", sys.prefix,
@@ -63,22 +61,8 @@ AXE_RUN = """async blocking => {
 FILE_NAME_ALT = re.compile(r"^\S*\.(png|jpe?g|svg|gif)$", re.IGNORECASE)
 
 
-def _missing() -> str | None:
-    if not (HTML / "index.html").exists():
-        return "the book is not built: run `make book`"
-    if not Path(CHROMIUM).exists():
-        return "chromium is not installed (apt-get install chromium)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "playwright is not installed"
-    return None
-
-
-if (why := _missing()) is not None:
-    if os.environ.get("REQUIRE_BOOK"):
-        raise RuntimeError(f"REQUIRE_BOOK is set but {why}")
-    pytest.skip(why, allow_module_level=True)
+require_browser(None if (HTML / "index.html").exists()
+                else "the book is not built: run `make book`")
 
 from playwright.sync_api import Error as PlaywrightError  # noqa: E402
 from playwright.sync_api import sync_playwright  # noqa: E402

@@ -21,31 +21,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import CHROMIUM, require_browser
+from helpers import CHROMIUM_FLAGS as FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv"
 EXERCISE = "05_rope.ipynb"  # its first cell links to ../book/05_rope.ipynb
 TOKEN = "course-attn-test-token"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]  # as test_browser
 
 
-def _missing() -> str | None:
-    if not (VENV / ".installed").exists() or not (VENV / "bin" / "jupyter").exists():
-        return "the .venv is not installed (`make lab` or `make test` installs it)"
-    if not Path(CHROMIUM).exists():
-        return "chromium is not installed (apt-get install chromium)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "playwright is not installed"
-    return None
-
-
-if (why := _missing()) is not None:
-    if os.environ.get("REQUIRE_BOOK"):
-        raise RuntimeError(f"REQUIRE_BOOK is set but {why}")
-    pytest.skip(why, allow_module_level=True)
+require_browser(None if (VENV / ".installed").exists() and (VENV / "bin" / "jupyter").exists()
+                else "the .venv is not installed (`make lab` or `make test` installs it)")
 
 from playwright.sync_api import sync_playwright  # noqa: E402
 
