@@ -251,7 +251,8 @@ def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
         named = name_the_mistake(exercise, case, answer.value)
         pairs = tensor_pairs(answer.value, expected, case)
         wrong_dtype = next(((where, a, b) for where, a, b in pairs if a.dtype != b.dtype), None)
-        if wrong_dtype is not None and not named:  # before any hint about the values
+        # before any hint about the values, unless the case's own hint is about the dtype
+        if wrong_dtype is not None and not named and "dtype" not in (case.hint or ""):
             return CaseResult(name, False, str(error) or "wrong answer",
                               dtype_hint(*wrong_dtype), hidden, part=part)
         return CaseResult(name, False, not_computed(pairs) or str(error) or "wrong answer",
