@@ -4,6 +4,7 @@ a copy, `make lab` opens JupyterLab there, `make grade` grades what is there."""
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -148,20 +149,24 @@ def get(url: str) -> tuple[int, bytes]:
 
 
 def test_make_lab_starts_jupyterlab_in_work(tmp_path):
-    """`make lab` as the README says, headless on 127.0.0.1: its API answers, with a token, and
-    shows work/; then it is stopped, whatever happened."""
+    """`make lab` as the README says, headless on 127.0.0.1, in a copy of the course's layout:
+    its API answers, with a token, serves the course's root and shows work/; then it is
+    stopped, whatever happened."""
     require("jupyterlab")
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "mine.ipynb").write_text(CHAPTER.read_text())
+    course = tmp_path / "course"
+    (course / "work").mkdir(parents=True)
+    (course / "work" / "mine.ipynb").write_text(CHAPTER.read_text())
+    for name in ("requirements.txt", "pyproject.toml"):  # older than .venv/.installed: no install
+        shutil.copy(ROOT / name, course / name)
+        os.utime(course / name, (0, 0))
     port, token = free_port(), "course-test-token"
     lab_args = f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token={token}"
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
            "JUPYTER_CONFIG_DIR": str(tmp_path / "config")}
-    command = ["make", "-s", "-o", str(VENV / ".installed"), f"VENV={VENV}", f"WORK={work}",
-               f"LAB_ARGS={lab_args}", "lab"]
+    command = ["make", "-s", "-f", str(ROOT / "Makefile"), "-o", str(VENV / ".installed"),
+               f"VENV={VENV}", f"LAB_ARGS={lab_args}", "lab"]
     log = (tmp_path / "lab.log").open("w")
-    lab = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+    lab = subprocess.Popen(command, cwd=course, env=env, stdin=subprocess.DEVNULL, stdout=log,
                            stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -179,6 +184,8 @@ def test_make_lab_starts_jupyterlab_in_work(tmp_path):
         assert status == 200, f"JupyterLab did not answer (exit {lab.poll()}):\n{output[-3000:]}"
         assert get(f"{base}/api/status")[0] == 403  # nothing without the token
         code, body = get(f"{base}/api/contents?token={token}")
+        assert code == 200 and "work" in [item["name"] for item in json.loads(body)["content"]]
+        code, body = get(f"{base}/api/contents/work?token={token}")
         assert code == 200
         assert [item["name"] for item in json.loads(body)["content"]] == ["mine.ipynb"]
         assert get(f"{base}/lab?token={token}")[0] == 200
