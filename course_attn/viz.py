@@ -1,4 +1,5 @@
-"""The book's figures: attention heatmaps (who attends to whom) and the benchmark's scaling plot.
+"""The book's figures: attention heatmaps (who attends to whom), the benchmark's scaling plot, and
+their interactive versions for the built book.
 
 Every attention map in the book is drawn by :func:`plot_attention`, so that one convention holds
 on every page:
@@ -19,15 +20,29 @@ on every page:
   pattern, not a colour, marks them.
 - every numeric map has a colour bar; a grid of heads shares one colour bar and one scale.
 
+**Interactive figures** (:func:`interactive_attention`, :func:`interactive_curves`) are Vega-Lite
+charts for the built book, through one class, :class:`InteractiveFigure`: hover a cell or a point
+for its values; a :class:`Slider` steps through frames the notebook precomputed. They keep the
+conventions above (the same colour maps, masked cells grey and crossed, lines told apart by dash as
+well as colour) and carry a static matplotlib figure, drawn by the same code as the still
+figures, for wherever no browser runs Vega (nbval, JupyterLab, Colab, a PDF). The book serves
+Vega itself (``_ext/interactive_figures.py``), so the charts work offline.
+
 Figures are drawn with matplotlib's object-oriented API. pyplot only creates each figure and
 then lets go of it (``plt.close(fig)``), so no global state is left behind: a notebook shows a
 returned figure once, when it is a cell's last expression, and a script saves it with
 ``fig.savefig(...)``.
 """
 
+import base64
+import hashlib
+import html
+import io
 import itertools
+import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import matplotlib
 import numpy as np
@@ -41,7 +56,8 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullForma
 
 from .arguments import check_positive_ints
 
-__all__ = ["overlapping_tick_labels", "plot_attention", "plot_bench"]
+__all__ = ["InteractiveFigure", "Slider", "interactive_attention", "interactive_curves",
+           "overlapping_tick_labels", "plot_attention", "plot_bench"]
 
 # Weights: a light-to-dark single-hue map on [0, 1]. Scores: a diverging map centred at 0.
 WEIGHTS_CMAP = "Blues"
@@ -51,6 +67,11 @@ DEFAULT_CMAP = WEIGHTS_CMAP
 MASKED_COLOUR = "0.88"
 MASKED_HATCH_COLOUR = "0.55"
 MASKED_HATCH = "///"
+# The same, in the interactive figures (which mark a masked cell with a cross, not a hatch).
+MASKED_COLOUR_HEX = "#e0e0e0"
+MASKED_MARK_HEX = "#595959"
+# Lines tell series apart by dash and marker as well as colour.
+_LINE_STYLES = ("o-", "s--", "^:", "d-.")
 MAX_LABELLED_TICKS = 64
 # How far outside [0, 1] a value may be (rounding in low precision) and still count as a weight.
 WEIGHT_TOLERANCE = 1e-3
@@ -340,3 +361,334 @@ def overlapping_tick_labels(fig: Figure) -> list[tuple[str, str]]:
             clashes += [(a, b) for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2)
                         if box_a.overlaps(box_b)]
     return clashes
+
+
+# ---------------------------------------------------------------------------------------------
+# Interactive figures: Vega-Lite in the built book, the matplotlib figure everywhere else.
+# ---------------------------------------------------------------------------------------------
+
+# The class the book's extension (_ext/interactive_figures.py) looks for to load Vega on a page.
+INTERACTIVE_CLASS = "course-interactive"
+# Vega's names for the two colour conventions above: "blues" is Blues; "redblue" reversed, RdBu_r.
+_VEGA_SCHEMES = {WEIGHTS_CMAP: ("blues", False), SCORES_CMAP: ("redblue", True)}
+_DIGITS = 4                                  # decimals kept of each value in a figure's data
+# The browser draws what these carry; the figure's own fallback image is the first thing shown.
+_EMBED_SCRIPT = """<script>(() => {
+  const figure = document.getElementById(%(id)s);
+  const draw = () => {
+    if (typeof vegaEmbed === "undefined") return;        /* no Vega here: the image stays */
+    vegaEmbed(figure.querySelector(".course-chart"), %(spec)s,
+              {mode: "vega-lite", renderer: "svg", actions: false})
+      .then(result => {
+        figure.querySelector(".course-fallback").remove();
+        (window.courseFigures = window.courseFigures || {})[%(id)s] = result.view;
+      })
+      .catch(error => console.error("interactive figure " + %(id)s + ": " + error));
+  };
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", draw);
+  else draw();
+})();</script>"""
+
+
+@dataclass(frozen=True)
+class Slider:
+    """A knob under an interactive figure: ``name`` (the label shown) over evenly spaced ``values``.
+
+    The figure holds one precomputed frame per value; moving the slider shows that frame.
+    ``start``: the value shown first, and drawn in the static fallback (default: the first).
+    """
+
+    name: str
+    values: tuple[float, ...]
+    start: float | None = None
+
+    def __post_init__(self):
+        values = tuple(float(v) for v in self.values)
+        object.__setattr__(self, "values", values)
+        if len(values) < 2:
+            raise ValueError(f"slider {self.name!r} needs at least 2 values, got {len(values)}")
+        steps = np.diff(values)
+        if not (steps > 0).all() or not np.allclose(steps, steps[0], rtol=1e-6, atol=0):
+            raise ValueError(f"slider {self.name!r}: values must increase in equal steps "
+                             f"(a range input), got {values}; slide over log2 of the "
+                             "parameter when it doubles")
+        start = values[0] if self.start is None else float(self.start)
+        if start not in values:
+            raise ValueError(f"slider {self.name!r}: start={self.start} is not one of its values")
+        object.__setattr__(self, "start", start)
+
+    @property
+    def step(self) -> float:
+        return self.values[1] - self.values[0]
+
+    @property
+    def start_index(self) -> int:
+        return self.values.index(self.start)
+
+    def param(self) -> dict:
+        """The Vega-Lite parameter, bound to a range input, that this slider sets."""
+        return {"name": "knob", "value": self.start,
+                "bind": {"input": "range", "min": self.values[0], "max": self.values[-1],
+                         "step": self.step, "name": f"{self.name} "}}
+
+    def keeps(self) -> dict:
+        """The filter that keeps the frame of the slider's value (equal within half a step)."""
+        return {"filter": f"abs(datum.frame - knob) < {self.step / 2!r}"}
+
+
+class InteractiveFigure:
+    """A figure that a reader can hover and slide in the book, and a static image elsewhere.
+
+    ``spec``: a Vega-Lite specification (a dict; its data inline). ``fallback``: the matplotlib
+    Figure shown where no browser runs Vega (nbval, a PDF, a notebook in JupyterLab or Colab)
+    and in the book until Vega has drawn. ``alt``: what the figure shows, in words (the image's
+    alt text and the chart's accessible description).
+
+    In a notebook, the last expression of a cell shows it (``_repr_mimebundle_``): text/html
+    (the fallback image, then a script that replaces it with the Vega chart when the page has
+    Vega, which the book's ``_ext/interactive_figures.py`` serves from the site) and image/png
+    (the fallback alone, for what does not render HTML). ``to_html()`` is the HTML alone.
+    """
+
+    def __init__(self, spec: dict, fallback: Figure, alt: str):
+        if not alt or not alt.strip():
+            raise ValueError("an interactive figure needs alt text that says what it shows")
+        self.spec = {**spec, "description": alt}
+        self.fallback = fallback
+        self.alt = alt
+
+    def png(self) -> bytes:
+        buffer = io.BytesIO()
+        self.fallback.savefig(buffer, format="png", bbox_inches="tight")
+        return buffer.getvalue()
+
+    def to_html(self) -> str:
+        spec = json.dumps(self.spec, separators=(",", ":"), allow_nan=False)
+        figure_id = "figure-" + hashlib.sha1(spec.encode()).hexdigest()[:12]
+        # JSON inside <script>: "</" would end the script early.
+        script = _EMBED_SCRIPT % {"id": json.dumps(figure_id),
+                                  "spec": spec.replace("</", "<\\/")}
+        image = base64.b64encode(self.png()).decode()
+        alt = html.escape(self.alt, quote=True)
+        return (f'<div class="{INTERACTIVE_CLASS}" id="{figure_id}" role="figure" '
+                f'aria-label="{alt}" style="background:#fff;color:#1a1a1a;padding:4px">'
+                f'<img class="course-fallback" src="data:image/png;base64,{image}" alt="{alt}" '
+                f'style="max-width:100%"><div class="course-chart"></div></div>{script}')
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        return {"text/html": self.to_html(),
+                "image/png": base64.b64encode(self.png()).decode(),
+                "text/plain": f"<InteractiveFigure: {self.alt}>"}
+
+    def __repr__(self) -> str:
+        return f"<InteractiveFigure: {self.alt}>"
+
+
+def _frames(values: torch.Tensor, slider: Slider | None, dims: tuple[int, ...],
+            what: str) -> torch.Tensor:
+    """``values`` with a leading frame axis: (S, ...) with a slider, (1, ...) without one.
+
+    ``dims``: how many dims one frame may have; ValueError naming ``what`` otherwise."""
+    frame_dims = values.dim() - (slider is not None)
+    if slider is not None and (values.dim() == 0 or values.shape[0] != len(slider.values)):
+        frame_dims = -1
+    if frame_dims not in dims:
+        shapes = " or ".join(f"{d + (slider is not None)} dims" for d in dims)
+        lead = f"with a slider of {len(slider.values)} values, a leading axis of that size and "\
+            if slider is not None else "without a slider, "
+        raise ValueError(f"{what} needs {lead}{shapes}; got shape {tuple(values.shape)}")
+    return values if slider is not None else values.unsqueeze(0)
+
+
+def _rounded(x: float) -> float:
+    return round(float(x), _DIGITS)
+
+
+def _token_axis(labels: list[str], title: str, across: bool = False) -> dict:
+    """A Vega-Lite axis over positions 0..n-1 that writes each position's token; a horizontal
+    axis turns labels longer than two characters on end, as plot_attention does."""
+    turn = across and max(map(len, labels)) > 2
+    return {"title": title, "labelExpr": f"{json.dumps(labels)}[datum.value]",
+            "labelAngle": -90 if turn else 0}
+
+
+def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
+                          title: str | None = None, head_titles: Sequence[str] | None = None,
+                          cols: int = 4, mask=None, signed: bool | None = None,
+                          slider: Slider | None = None,
+                          value_label: str | None = None) -> InteractiveFigure:
+    """Attention map(s) whose cells tell, on hover, the query, the key and the weight.
+
+    ``weights``: (Tq, Tk) or (H, Tq, Tk) as for :func:`plot_attention`, with a leading axis of
+    one frame per slider value when ``slider`` is given: (S, Tq, Tk) or (S, H, Tq, Tk). The
+    colours, the masked cells (``mask=`` False or a non-finite score; drawn grey and crossed, so
+    that a pattern and not a colour marks them) and ``tokens``/``query_tokens``/``head_titles``
+    /``signed`` follow :func:`plot_attention`, which draws the static fallback (the slider's
+    ``start`` frame). A bool tensor draws a mask ("may attend": 1). ``value_label`` names the
+    value in the tooltip (default "weight", "score" or "may attend"). Returns an
+    :class:`InteractiveFigure`.
+    """
+    w = _as_cpu_tensor(weights)
+    frames = _frames(w, slider, (2, 3), "weights ((Tq, Tk) or (H, Tq, Tk) per frame)")
+    per_frame = frames[0]
+    shown = frames[slider.start_index if slider else 0]
+    fallback = plot_attention(shown, tokens, query_tokens=query_tokens, title=title,
+                              head_titles=head_titles, cols=cols, mask=mask, signed=signed)
+    maps = frames if per_frame.dim() == 3 else frames.unsqueeze(1)          # (S, H, Tq, Tk)
+    n_frames, n_heads, tq, tk = maps.shape
+    key_labels = [str(i) for i in range(tk)] if tokens is None else _labels(
+        tokens, tk, "tokens", "keys (Tk)")
+    if query_tokens is not None:
+        query_labels = _labels(query_tokens, tq, "query_tokens", "queries (Tq)")
+    else:
+        query_labels = key_labels[tk - tq:] if tq <= tk else [str(i) for i in range(tq)]
+    names = (list(head_titles) if head_titles is not None
+             else [f"head {h}" for h in range(n_heads)])
+
+    is_mask_picture = maps.dtype == torch.bool
+    allowed = torch.ones(maps.shape, dtype=torch.bool)
+    if mask is not None:
+        allowed &= _allowed(mask, tuple(per_frame.shape)).reshape(1, *maps.shape[1:])
+    values = maps.float()
+    allowed &= maps if is_mask_picture else torch.isfinite(values)
+    finite = values[allowed]
+    if is_mask_picture:
+        lo, hi, scheme, label = 0.0, 1.0, WEIGHTS_CMAP, value_label or "may attend"
+    else:
+        if signed is None:
+            signed = bool(finite.numel()) and bool(((finite < -WEIGHT_TOLERANCE)
+                                                    | (finite > 1 + WEIGHT_TOLERANCE)).any())
+        m = (finite.abs().max().item() if finite.numel() else 1.0) or 1.0
+        lo, hi = (-m, m) if signed else (0.0, 1.0)
+        scheme = SCORES_CMAP if signed else WEIGHTS_CMAP
+        label = value_label or ("score" if signed else "weight")
+
+    rows = []
+    for s, h, i, j in itertools.product(range(n_frames), range(n_heads), range(tq), range(tk)):
+        ok = bool(allowed[s, h, i, j])
+        value = _rounded(values[s, h, i, j]) if ok else 0.0
+        rows.append({"frame": slider.values[s] if slider else 0, "head": names[h], "qi": i,
+                     "ki": j, "query": f"{i}: {query_labels[i]}",
+                     "key": f"{j}: {key_labels[j]}", "masked": not ok, "value": value,
+                     "shown": f"{value:.3f}" if ok else "masked"})
+        rows[-1]["who"] = (f"{names[h]}, " * (n_heads > 1)
+                           + f"query {rows[-1]['query']}, key {rows[-1]['key']}")
+        rows[-1]["aria"] = rows[-1]["who"] + (f", {label} {value:.3f}" if ok else ", masked")
+    vega_scheme, reverse = _VEGA_SCHEMES[scheme]
+    x = {"field": "ki", "type": "ordinal", "axis": _token_axis(key_labels, "key", across=True)}
+    y = {"field": "qi", "type": "ordinal", "axis": _token_axis(query_labels, "query")}
+    tooltip = [{"field": "head", "title": "head"}] * (n_heads > 1) + [
+        {"field": "query", "title": "query"}, {"field": "key", "title": "key"},
+        {"field": "shown", "title": label}]
+    side = max(120, min(360, 18 * max(tq, tk)))
+    cell = {"width": side, "height": side * tq / tk if tq < tk else side,
+            "layer": [
+                {"mark": {"type": "rect", "stroke": "white", "strokeWidth": 0.5},
+                 "encoding": {
+                     "x": x, "y": y,
+                     "color": {"condition": {"test": "datum.masked",
+                                             "value": MASKED_COLOUR_HEX},
+                               "field": "value", "type": "quantitative",
+                               "title": label,
+                               "scale": {"scheme": vega_scheme, "reverse": reverse,
+                                         "domain": [lo, hi]}},
+                     "tooltip": tooltip, "description": {"field": "aria"}}},
+                {"transform": [{"filter": "datum.masked"}],
+                 "mark": {"type": "text", "text": "×", "color": MASKED_MARK_HEX,
+                          "fontSize": 11},
+                 "encoding": {"x": x, "y": y, "tooltip": tooltip,
+                              "description": {"field": "aria"}}}]}
+    if is_mask_picture:
+        cell["layer"] = cell["layer"][:1]
+    spec = {"data": {"values": rows}, "background": "white",
+            "config": {"view": {"stroke": None}, "axis": {"labelFontSize": 10}}}
+    if title is not None:
+        spec["title"] = title
+    if slider is not None:
+        spec["params"] = [slider.param()]
+        spec["transform"] = [slider.keeps()]
+    if n_heads == 1:
+        spec.update(cell)
+    else:
+        spec.update({"facet": {"field": "head", "type": "nominal", "sort": names, "title": None},
+                     "columns": min(cols, n_heads), "spec": cell,
+                     "resolve": {"scale": {"color": "shared"}}})
+    return InteractiveFigure(spec, fallback, alt)
+
+
+def interactive_curves(x, curves, *, alt: str, x_label: str, y_label: str,
+                       series: Sequence[str] | None = None, title: str | None = None,
+                       slider: Slider | None = None, log_x: bool = False, log_y: bool = False,
+                       y_domain: tuple[float, float] | None = None,
+                       x_format: str = ".4~g") -> InteractiveFigure:
+    """Lines y(x), one per series, whose points tell their values on hover; a slider picks a frame.
+
+    ``x``: (N,); ``curves``: (C, N) for C series, or (S, C, N) with one frame per value of
+    ``slider``; ``series``: C names (the legend; lines differ by dash as well as colour, so that
+    colour is never the only cue). Non-finite values are left out. ``y_domain`` fixes the value
+    axis (do, with a slider, so that the axis stays put while the lines move); without one it
+    spans every frame. ``x_format``: how the tooltip writes x (a d3-format string; the value is
+    written with 4 significant digits). The static fallback is a matplotlib plot of the slider's
+    ``start`` frame. Returns an :class:`InteractiveFigure`.
+    """
+    xs = _as_cpu_tensor(x).double()
+    ys = _as_cpu_tensor(curves).double()
+    if xs.dim() != 1 or xs.numel() == 0:
+        raise ValueError(f"x must be a non-empty (N,) tensor, got shape {tuple(xs.shape)}")
+    frames = _frames(ys, slider, (2,), "curves ((C, N) per frame)")          # (S, C, N)
+    n_frames, n_series, n = frames.shape
+    if n != xs.numel():
+        raise ValueError(f"curves have {n} points per line but x has {xs.numel()}")
+    names = (_labels(series, n_series, "series", "lines (C)") if series is not None
+             else [f"line {c}" for c in range(n_series)])
+    finite = frames[torch.isfinite(frames)]
+    if y_domain is None and finite.numel():
+        y_domain = (float(finite.min()), float(finite.max()))
+
+    fig = _new_figure(6.5, 3.8)
+    ax = fig.add_subplot()
+    shown = frames[slider.start_index if slider else 0]
+    for c, (name, style) in enumerate(zip(names, itertools.cycle(_LINE_STYLES))):
+        ok = torch.isfinite(shown[c])
+        ax.plot(xs[ok].numpy(), shown[c][ok].numpy(), style, label=name, markersize=3)
+    ax.set(xlabel=x_label, ylabel=y_label, title=title or "")
+    if log_x:
+        ax.set_xscale("log")
+    if log_y:
+        ax.set_yscale("log")
+    if y_domain is not None:
+        ax.set_ylim(*y_domain)
+    if slider is not None:
+        ax.text(0.01, 0.98, f"{slider.name} = {slider.start:g}", transform=ax.transAxes,
+                va="top", fontsize=9)
+    if n_series > 1:
+        ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+
+    rows = []
+    for s, c, i in itertools.product(range(n_frames), range(n_series), range(n)):
+        if math.isfinite(frames[s, c, i]):
+            who, shown = f"{names[c]}, {x_label} {xs[i]:g}", f"{frames[s, c, i]:.4g}"
+            rows.append({"frame": slider.values[s] if slider else 0, "series": names[c],
+                         "x": _rounded(xs[i]), "y": _rounded(frames[s, c, i]), "shown": shown,
+                         "who": who, "aria": f"{who}, {y_label} {shown}"})
+    legend = {"field": "series", "type": "nominal", "sort": names, "title": None}
+    spec = {"data": {"values": rows}, "background": "white", "width": 420, "height": 260,
+            "mark": {"type": "line", "point": {"size": 28}},
+            "encoding": {
+                "x": {"field": "x", "type": "quantitative", "title": x_label,
+                      "scale": {"type": "log"} if log_x else {"zero": False}},
+                "y": {"field": "y", "type": "quantitative", "title": y_label,
+                      "scale": {"type": "log" if log_y else "linear", "zero": False,
+                                **({"domain": list(y_domain)} if y_domain else {})}},
+                "color": legend, "strokeDash": legend,
+                "tooltip": [{"field": "series", "title": "line"},
+                            {"field": "x", "title": x_label, "format": x_format},
+                            {"field": "shown", "title": y_label}],
+                "description": {"field": "aria"}}}
+    if title is not None:
+        spec["title"] = title
+    if slider is not None:
+        spec["params"] = [slider.param()]
+        spec["transform"] = [slider.keeps()]
+    return InteractiveFigure(spec, fig, alt)

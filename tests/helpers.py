@@ -169,3 +169,76 @@ def require_browser(missing: str | None = None) -> None:
         if os.environ.get("REQUIRE_BOOK"):
             raise RuntimeError(f"REQUIRE_BOOK is set but {missing}")
         pytest.skip(missing, allow_module_level=True)
+
+
+# An interactive figure (course_attn.viz.InteractiveFigure) once Vega has drawn it: its data rows
+# (each with "frame", "who" -- which cell or point --, "shown" -- the value as the tooltip writes
+# it -- and "masked" on maps) and its slider's value.
+_FIGURE_STATE = """id => {
+    const view = window.courseFigures[id];
+    let knob = null;
+    try { knob = view.signal("knob"); } catch (e) {}
+    return {rows: view.data("source_0"), knob: knob};
+}"""
+
+
+def figures_drawn(page, timeout_ms: int = 20_000) -> list[str]:
+    """Wait until every interactive figure on ``page`` is drawn; their ids, in page order."""
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.course-interactive')].every(f => "
+        "window.courseFigures && f.id in window.courseFigures)", timeout=timeout_ms)
+    return page.eval_on_selector_all(".course-interactive", "els => els.map(e => e.id)")
+
+
+def _tooltip_after_hover(page, figure_id: str, who: str) -> tuple[str, str]:
+    """Hover the mark of ``who`` in the figure; (its aria-label, the tooltip's text)."""
+    page.mouse.move(0, 0)
+    mark = page.locator(f'#{figure_id} :is(g.mark-rect, g.mark-symbol) > path'
+                        f'[aria-label^="{who}, "]').first
+    mark.scroll_into_view_if_needed()
+    mark.hover(force=True)
+    tooltip = page.locator("#vg-tooltip-element")
+    tooltip.wait_for(state="visible", timeout=5_000)
+    return mark.get_attribute("aria-label"), tooltip.inner_text()
+
+
+def probe_interactive_figure(page, figure_id: str) -> list[str]:
+    """Hover one drawn figure, then slide it: what went wrong (an empty list: it works).
+
+    The hovered mark is one whose value the slider changes (when there is a slider), else the
+    largest value. Its tooltip must show the value of the frame on display, from the figure's
+    precomputed data; after the slider is moved to its last value, the same mark's tooltip must
+    show the value of the last frame, which differs.
+    """
+    state = page.evaluate(_FIGURE_STATE, figure_id)
+    rows = [r for r in state["rows"] if not r.get("masked")]
+    if not rows:
+        return [f"{figure_id}: no value to hover"]
+    frames = sorted({r["frame"] for r in rows})
+    at = {(r["frame"], r["who"]): r["shown"] for r in rows}
+    start, last = (frames[0], frames[-1]) if state["knob"] is None else (state["knob"],
+                                                                         frames[-1])
+    if state["knob"] is None:
+        who = max((r for r in rows), key=lambda r: float(r.get("value", r.get("y", 0))))["who"]
+    else:
+        if start == last:
+            return [f"{figure_id}: its slider starts at its last value; start it lower"]
+        moving = [w for (f, w) in at if f == start and at.get((last, w)) not in (None, at[f, w])]
+        if not moving:
+            return [f"{figure_id}: the slider changes no value between {start} and {last}"]
+        who = moving[len(moving) // 2]
+    problems = []
+    label, text = _tooltip_after_hover(page, figure_id, who)
+    if at[start, who] not in text or who.split(", ")[-1].split(" ", 1)[-1] not in text:
+        problems.append(f"{figure_id}: hovering {who!r} shows {text!r}, not {at[start, who]}")
+    if state["knob"] is not None:
+        slider = page.locator(f"#{figure_id} input[type=range]")
+        slider.fill(f"{last:g}")
+        knob = page.evaluate(_FIGURE_STATE, figure_id)["knob"]
+        if abs(knob - last) > 1e-9:
+            problems.append(f"{figure_id}: the slider moved the knob to {knob}, not {last}")
+        label, text = _tooltip_after_hover(page, figure_id, who)
+        if at[last, who] not in text:
+            problems.append(f"{figure_id}: after sliding to {last:g}, hovering {who!r} shows "
+                            f"{text!r}, not {at[last, who]}")
+    return problems
