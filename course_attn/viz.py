@@ -70,6 +70,8 @@ MASKED_HATCH = "///"
 # The same, in the interactive figures (which mark a masked cell with a cross, not a hatch).
 MASKED_COLOUR_HEX = "#e0e0e0"
 MASKED_MARK_HEX = "#595959"
+MAY_ATTEND_HEX = "#08306b"                   # Blues at 1: plot_attention's "may attend"
+OUTLINE_COLOUR = "#d62728"                   # rings around cells a caller points out (tab:red)
 # Lines tell series apart by dash and marker as well as colour.
 _LINE_STYLES = ("o-", "s--", "^:", "d-.")
 MAX_LABELLED_TICKS = 64
@@ -515,8 +517,8 @@ def _token_axis(labels: list[str], title: str, across: bool = False) -> dict:
 def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
                           title: str | None = None, head_titles: Sequence[str] | None = None,
                           cols: int = 4, mask=None, signed: bool | None = None,
-                          slider: Slider | None = None,
-                          value_label: str | None = None) -> InteractiveFigure:
+                          slider: Slider | None = None, value_label: str | None = None,
+                          outline=None) -> InteractiveFigure:
     """Attention map(s) whose cells tell, on hover, the query, the key and the weight.
 
     ``weights``: (Tq, Tk) or (H, Tq, Tk) as for :func:`plot_attention`, with a leading axis of
@@ -524,9 +526,11 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
     colours, the masked cells (``mask=`` False or a non-finite score; drawn grey and crossed, so
     that a pattern and not a colour marks them) and ``tokens``/``query_tokens``/``head_titles``
     /``signed`` follow :func:`plot_attention`, which draws the static fallback (the slider's
-    ``start`` frame). A bool tensor draws a mask ("may attend": 1). ``value_label`` names the
-    value in the tooltip (default "weight", "score" or "may attend"). Returns an
-    :class:`InteractiveFigure`.
+    ``start`` frame). A bool tensor draws a mask (allowed cells dark, "may attend: yes" on hover;
+    masked cells grey and crossed). ``value_label`` names the
+    value in the tooltip (default "weight", "score" or "may attend"). ``outline``: bool,
+    broadcastable to one frame, True at cells to ring (e.g. where a rule says a head should look);
+    rings are drawn in both versions. Returns an :class:`InteractiveFigure`.
     """
     w = _as_cpu_tensor(weights)
     frames = _frames(w, slider, (2, 3), "weights ((Tq, Tk) or (H, Tq, Tk) per frame)")
@@ -536,12 +540,21 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
                               head_titles=head_titles, cols=cols, mask=mask, signed=signed)
     maps = frames if per_frame.dim() == 3 else frames.unsqueeze(1)          # (S, H, Tq, Tk)
     n_frames, n_heads, tq, tk = maps.shape
+    ringed = torch.zeros(maps.shape[1:], dtype=torch.bool)                  # (H, Tq, Tk)
+    if outline is not None:
+        ringed |= _allowed(outline, tuple(per_frame.shape)).reshape(ringed.shape)
+        for h, panel_ax in enumerate(fallback.axes[:n_heads]):
+            rows_, cols_ = torch.nonzero(ringed[h], as_tuple=True)
+            panel_ax.scatter(cols_.numpy(), rows_.numpy(), s=90, facecolors="none",
+                             edgecolors=OUTLINE_COLOUR, linewidths=1.5, zorder=3)
     key_labels = [str(i) for i in range(tk)] if tokens is None else _labels(
         tokens, tk, "tokens", "keys (Tk)")
     if query_tokens is not None:
         query_labels = _labels(query_tokens, tq, "query_tokens", "queries (Tq)")
+    elif tokens is not None and tq <= tk:
+        query_labels = key_labels[tk - tq:]          # the latest tokens, as in plot_attention
     else:
-        query_labels = key_labels[tk - tq:] if tq <= tk else [str(i) for i in range(tq)]
+        query_labels = [str(i) for i in range(tq)]
     names = (list(head_titles) if head_titles is not None
              else [f"head {h}" for h in range(n_heads)])
 
@@ -567,17 +580,25 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
     for s, h, i, j in itertools.product(range(n_frames), range(n_heads), range(tq), range(tk)):
         ok = bool(allowed[s, h, i, j])
         value = _rounded(values[s, h, i, j]) if ok else 0.0
+        shown = ("yes" if is_mask_picture else f"{value:.3f}") if ok else "masked"
         rows.append({"frame": slider.values[s] if slider else 0, "head": names[h], "qi": i,
                      "ki": j, "query": f"{i}: {query_labels[i]}",
                      "key": f"{j}: {key_labels[j]}", "masked": not ok, "value": value,
-                     "shown": f"{value:.3f}" if ok else "masked"})
+                     "shown": shown, "ringed": bool(ringed[h, i, j])})
         rows[-1]["who"] = (f"{names[h]}, " * (n_heads > 1)
                            + f"query {rows[-1]['query']}, key {rows[-1]['key']}")
-        rows[-1]["aria"] = rows[-1]["who"] + (f", {label} {value:.3f}" if ok else ", masked")
+        rows[-1]["aria"] = rows[-1]["who"] + (f", {label} {shown}" if ok else ", masked")
     vega_scheme, reverse = _VEGA_SCHEMES[scheme]
     x = {"field": "ki", "type": "ordinal", "axis": _token_axis(key_labels, "key", across=True)}
     y = {"field": "qi", "type": "ordinal", "axis": _token_axis(query_labels, "query")}
-    tooltip = [{"field": "head", "title": "head"}] * (n_heads > 1) + [
+    masked_grey = {"test": "datum.masked", "value": MASKED_COLOUR_HEX}
+    if is_mask_picture:          # one colour for "may attend" (the crosses mark the others)
+        colour = {"condition": masked_grey, "value": MAY_ATTEND_HEX}
+    else:
+        colour = {"condition": masked_grey, "field": "value", "type": "quantitative",
+                  "title": label, "scale": {"scheme": vega_scheme, "reverse": reverse,
+                                            "domain": [lo, hi]}}
+    tooltip = [{"field": "head", "title": "map"}] * (n_heads > 1) + [
         {"field": "query", "title": "query"}, {"field": "key", "title": "key"},
         {"field": "shown", "title": label}]
     side = max(120, min(360, 18 * max(tq, tk)))
@@ -586,20 +607,20 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
                 {"mark": {"type": "rect", "stroke": "white", "strokeWidth": 0.5},
                  "encoding": {
                      "x": x, "y": y,
-                     "color": {"condition": {"test": "datum.masked",
-                                             "value": MASKED_COLOUR_HEX},
-                               "field": "value", "type": "quantitative",
-                               "title": label,
-                               "scale": {"scheme": vega_scheme, "reverse": reverse,
-                                         "domain": [lo, hi]}},
+                     "color": colour,
                      "tooltip": tooltip, "description": {"field": "aria"}}},
                 {"transform": [{"filter": "datum.masked"}],
                  "mark": {"type": "text", "text": "×", "color": MASKED_MARK_HEX,
                           "fontSize": 11},
                  "encoding": {"x": x, "y": y, "tooltip": tooltip,
                               "description": {"field": "aria"}}}]}
-    if is_mask_picture:
-        cell["layer"] = cell["layer"][:1]
+    if outline is not None:
+        cell["layer"].append({"transform": [{"filter": "datum.ringed"}],
+                              "mark": {"type": "point", "shape": "circle", "filled": False,
+                                       "stroke": OUTLINE_COLOUR, "strokeWidth": 1.5,
+                                       "size": 90, "aria": False},
+                              # a ring lies over its cell: hovering it tells the cell's values
+                              "encoding": {"x": x, "y": y, "tooltip": tooltip}})
     spec = {"data": {"values": rows}, "background": "white",
             "config": {"view": {"stroke": None}, "axis": {"labelFontSize": 10}}}
     if title is not None:

@@ -82,7 +82,8 @@ def test_heads_are_panels_sharing_one_colour_scale_and_named_in_the_tooltip():
     assert fig.spec["facet"]["field"] == "head" and fig.spec["columns"] == 2
     assert fig.spec["resolve"] == {"scale": {"color": "shared"}}
     assert row(fig, head="induction", qi=3, ki=0)["aria"].startswith("induction, query 3")
-    assert fig.spec["spec"]["layer"][0]["encoding"]["tooltip"][0]["field"] == "head"
+    assert fig.spec["spec"]["layer"][0]["encoding"]["tooltip"][0] == {"field": "head",
+                                                                       "title": "map"}
 
 
 def test_signed_scores_use_the_diverging_map_centred_at_zero():
@@ -93,10 +94,22 @@ def test_signed_scores_use_the_diverging_map_centred_at_zero():
     assert row(fig, qi=0, ki=0)["aria"].endswith("score -2.000")
 
 
-def test_a_bool_mask_is_drawn_as_may_attend():
+def test_a_bool_mask_is_drawn_as_may_attend_with_its_masked_cells_crossed():
     fig = interactive_attention(CAUSAL, alt="the causal mask of four tokens")
-    assert len(fig.spec["layer"]) == 1
-    assert row(fig, qi=3, ki=0)["shown"] == "1.000" and row(fig, qi=0, ki=3)["masked"]
+    assert row(fig, qi=3, ki=0)["shown"] == "yes"
+    assert row(fig, qi=3, ki=0)["aria"] == "query 3: 3, key 0: 0, may attend yes"
+    assert row(fig, qi=0, ki=3)["masked"] and row(fig, qi=0, ki=3)["shown"] == "masked"
+    colour = fig.spec["layer"][0]["encoding"]["color"]
+    assert "field" not in colour and colour["value"] == "#08306b"     # no colour bar
+    assert fig.spec["layer"][1]["mark"]["text"] == "×"
+
+
+def test_queries_are_numbered_from_zero_without_tokens_and_are_the_latest_with_them():
+    w = torch.full((2, 5), 0.2)
+    fig = interactive_attention(w, alt="two queries over five keys, numbered")
+    assert {r["query"] for r in rows_of(fig)} == {"0: 0", "1: 1"}
+    fig = interactive_attention(w, list("abcde"), alt="two queries over five keys, tokens")
+    assert {r["query"] for r in rows_of(fig)} == {"0: d", "1: e"}
 
 
 def test_a_slider_holds_one_frame_per_value_and_the_fallback_draws_the_start():
@@ -207,3 +220,18 @@ def test_the_same_figure_gets_the_same_id_and_another_figure_another():
     ids = [re.search(r'id="(figure-[0-9a-f]+)"', make(w))[1]
            for w in (torch.full((2, 2), 0.5), torch.full((2, 2), 0.5), torch.eye(2))]
     assert ids[0] == ids[1] != ids[2]
+
+
+def test_outlined_cells_are_ringed_in_the_chart_and_in_the_fallback():
+    ring = torch.zeros(4, 4, dtype=torch.bool)
+    ring[3, 1] = ring[2, 0] = True
+    fig = interactive_attention(causal_weights(2, 4, 4), mask=CAUSAL, outline=ring,
+                                alt="two heads with two cells ringed")
+    assert row(fig, head="head 1", qi=3, ki=1)["ringed"]
+    assert sum(r["ringed"] for r in rows_of(fig)) == 2 * 2
+    rings = fig.spec["spec"]["layer"][-1]
+    assert rings["transform"] == [{"filter": "datum.ringed"}]
+    assert rings["mark"]["filled"] is False
+    for panel in fig.fallback.axes[:2]:
+        (points,) = panel.collections
+        np.testing.assert_array_equal(points.get_offsets(), [[0, 2], [1, 3]])

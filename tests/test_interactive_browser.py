@@ -34,6 +34,8 @@ VEGA = Path(__file__).resolve().parents[1] / "_ext" / "static" / "vega"
 SCRIPTS = ("vega.min.js", "vega-lite.min.js", "vega-embed.min.js")
 T = 5
 CAUSAL = torch.ones(T, T, dtype=torch.bool).tril()
+RING = torch.zeros(T, T, dtype=torch.bool)
+RING[4, 0] = True                                  # the cell a test hovers, ringed
 NO_ICON = '<link rel="icon" href="data:,">'       # or the browser asks for /favicon.ico
 
 
@@ -51,6 +53,7 @@ FIGURES = {
                                  slider=Slider("window W", [1, 2, 3]),
                                  alt="a causal map for three windows, interactive"),
     "heads": interactive_attention(WEIGHTS[:2], list("abcde"), mask=CAUSAL, cols=2,
+                                   outline=torch.eye(T, dtype=torch.bool).roll(-1, 1) | RING,
                                    head_titles=["previous", "induction"],
                                    alt="two heads of a causal map, interactive"),
     "curves": interactive_curves(X, torch.stack([torch.stack([g * X, g * X.sqrt()])
@@ -132,7 +135,7 @@ def test_hovering_a_cell_shows_its_query_key_and_weight(page):
     text = tooltip_of(page, "map", "query 3: d, key 1: b,")
     assert text == f"query 3: d key 1: b weight {WEIGHTS[0, 3, 1].item():.3f}"
     text = tooltip_of(page, "heads", "induction, query 4: e, key 0: a,")
-    assert text == f"head induction query 4: e key 0: a weight {WEIGHTS[1, 4, 0].item():.3f}"
+    assert text == f"map induction query 4: e key 0: a weight {WEIGHTS[1, 4, 0].item():.3f}"
     assert tooltip_of(page, "map", "query 1: b, key 4: e,") == \
         "query 1: b key 4: e weight masked"
 
