@@ -526,18 +526,26 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
     colours, the masked cells (``mask=`` False or a non-finite score; drawn grey and crossed, so
     that a pattern and not a colour marks them) and ``tokens``/``query_tokens``/``head_titles``
     /``signed`` follow :func:`plot_attention`, which draws the static fallback (the slider's
-    ``start`` frame). A bool tensor draws a mask (allowed cells dark, "may attend: yes" on hover;
-    masked cells grey and crossed). ``value_label`` names the
-    value in the tooltip (default "weight", "score" or "may attend"). ``outline``: bool,
-    broadcastable to one frame, True at cells to ring (e.g. where a rule says a head should look);
-    rings are drawn in both versions. Returns an :class:`InteractiveFigure`.
+    ``start`` frame); with a slider, ``mask`` may have the frame axis too (one mask per frame).
+    A bool tensor draws a mask (allowed cells dark, "may attend: yes" on hover; masked cells grey
+    and crossed). ``value_label`` names the value in the tooltip (default "weight", "score" or
+    "may attend"). ``outline``: bool, broadcastable to one frame, True at cells to ring (e.g.
+    where a rule says a head should look); rings are drawn in both versions. Returns an
+    :class:`InteractiveFigure`.
     """
     w = _as_cpu_tensor(weights)
     frames = _frames(w, slider, (2, 3), "weights ((Tq, Tk) or (H, Tq, Tk) per frame)")
     per_frame = frames[0]
-    shown = frames[slider.start_index if slider else 0]
-    fallback = plot_attention(shown, tokens, query_tokens=query_tokens, title=title,
-                              head_titles=head_titles, cols=cols, mask=mask, signed=signed)
+    shown = slider.start_index if slider else 0
+    frame_masks = None                                    # (S, ...) like frames, or None
+    if mask is not None:
+        m = _as_cpu_tensor(mask)
+        each_frame = slider is not None and m.dim() == frames.dim()   # one mask per frame
+        frame_masks = (_allowed(m, tuple(frames.shape)) if each_frame
+                       else _allowed(m, tuple(per_frame.shape)).expand(frames.shape))
+    fallback = plot_attention(frames[shown], tokens, query_tokens=query_tokens, title=title,
+                              head_titles=head_titles, cols=cols, signed=signed,
+                              mask=None if frame_masks is None else frame_masks[shown])
     maps = frames if per_frame.dim() == 3 else frames.unsqueeze(1)          # (S, H, Tq, Tk)
     n_frames, n_heads, tq, tk = maps.shape
     ringed = torch.zeros(maps.shape[1:], dtype=torch.bool)                  # (H, Tq, Tk)
@@ -560,8 +568,8 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
 
     is_mask_picture = maps.dtype == torch.bool
     allowed = torch.ones(maps.shape, dtype=torch.bool)
-    if mask is not None:
-        allowed &= _allowed(mask, tuple(per_frame.shape)).reshape(1, *maps.shape[1:])
+    if frame_masks is not None:
+        allowed &= frame_masks.reshape(maps.shape)
     values = maps.float()
     allowed &= maps if is_mask_picture else torch.isfinite(values)
     finite = values[allowed]
@@ -601,7 +609,8 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
     tooltip = [{"field": "head", "title": "map"}] * (n_heads > 1) + [
         {"field": "query", "title": "query"}, {"field": "key", "title": "key"},
         {"field": "shown", "title": label}]
-    side = max(120, min(360, 18 * max(tq, tk)))
+    # 18 px a cell, within 120..360 px a map, and about 720 px a row of maps (the book's column)
+    side = max(120, min(360, 18 * max(tq, tk), 720 // min(cols, n_heads) - 60))
     cell = {"width": side, "height": side * tq / tk if tq < tk else side,
             "layer": [
                 {"mark": {"type": "rect", "stroke": "white", "strokeWidth": 0.5},
@@ -698,9 +707,11 @@ def interactive_curves(x, curves, *, alt: str, x_label: str, y_label: str,
             "mark": {"type": "line", "point": {"size": 28}},
             "encoding": {
                 "x": {"field": "x", "type": "quantitative", "title": x_label,
-                      "scale": {"type": "log"} if log_x else {"zero": False}},
+                      "scale": ({"type": "log", "nice": False,
+                                 "domain": [float(xs.min()), float(xs.max())]}
+                                if log_x else {"zero": False})},
                 "y": {"field": "y", "type": "quantitative", "title": y_label,
-                      "scale": {"type": "log" if log_y else "linear", "zero": False,
+                      "scale": {**({"type": "log"} if log_y else {"zero": False}),
                                 **({"domain": list(y_domain)} if y_domain else {})}},
                 "color": legend, "strokeDash": legend,
                 "tooltip": [{"field": "series", "title": "line"},

@@ -235,3 +235,24 @@ def test_outlined_cells_are_ringed_in_the_chart_and_in_the_fallback():
     for panel in fig.fallback.axes[:2]:
         (points,) = panel.collections
         np.testing.assert_array_equal(points.get_offsets(), [[0, 2], [1, 3]])
+
+
+def test_with_a_slider_the_mask_may_change_from_frame_to_frame():
+    windows = torch.stack([CAUSAL & ~CAUSAL.tril(-w) for w in (1, 2, 3)])   # (3, 4, 4)
+    frames = causal_weights(3, 4, 4)
+    fig = interactive_attention(frames, mask=windows, slider=Slider("W", [1, 2, 3], start=2),
+                                alt="weights under three sliding windows")
+    assert row(fig, frame=1.0, qi=3, ki=2)["masked"]
+    assert not row(fig, frame=2.0, qi=3, ki=2)["masked"]
+    assert row(fig, frame=2.0, qi=3, ki=1)["masked"]
+    assert not row(fig, frame=3.0, qi=3, ki=1)["masked"]
+    np.testing.assert_array_equal(np.isnan(shown_image(fig.fallback)), ~windows[1].numpy())
+
+
+def test_log_axes_keep_to_the_data():
+    x = torch.tensor([16.0, 64.0, 256.0])
+    fig = interactive_curves(x, torch.stack([x, x ** 2]), x_label="T", y_label="cost",
+                             log_x=True, log_y=True, alt="two costs on log-log axes")
+    assert fig.spec["encoding"]["x"]["scale"] == {"type": "log", "nice": False,
+                                                  "domain": [16.0, 256.0]}
+    assert "zero" not in fig.spec["encoding"]["y"]["scale"]

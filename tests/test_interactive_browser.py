@@ -61,6 +61,12 @@ FIGURES = {
                                  x_label="T", y_label="cost", series=["linear", "softmax"],
                                  slider=Slider("gain", GAINS), y_domain=(0.0, 3.5),
                                  alt="cost against T for four gains, interactive"),
+    "windows": interactive_attention(
+        torch.stack([CAUSAL & ~CAUSAL.tril(-w) for w in (1, 2, 3)]), list("abcde"),
+        slider=Slider("window W", [1, 2, 3]), alt="the sliding-window mask for three windows"),
+    "log": interactive_curves(X, torch.stack([X ** 2, X]), x_label="sequence length T",
+                              y_label="FLOPs", series=["quadratic", "linear"], log_x=True,
+                              log_y=True, alt="two costs against T on log-log axes"),
 }
 
 
