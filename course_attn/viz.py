@@ -595,7 +595,6 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
                      "shown": shown, "ringed": bool(ringed[h, i, j])})
         rows[-1]["who"] = (f"{names[h]}, " * (n_heads > 1)
                            + f"query {rows[-1]['query']}, key {rows[-1]['key']}")
-        rows[-1]["aria"] = rows[-1]["who"] + (f", {label} {shown}" if ok else ", masked")
     vega_scheme, reverse = _VEGA_SCHEMES[scheme]
     x = {"field": "ki", "type": "ordinal", "axis": _token_axis(key_labels, "key", across=True)}
     y = {"field": "qi", "type": "ordinal", "axis": _token_axis(query_labels, "query")}
@@ -634,9 +633,13 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
             "config": {"view": {"stroke": None}, "axis": {"labelFontSize": 10}}}
     if title is not None:
         spec["title"] = title
+    # What a screen reader says of a cell, written by Vega (not stored in every row).
+    spec["transform"] = [{"calculate": f"datum.who + (datum.masked ? ', masked' : "
+                                       f"', ' + {json.dumps(label)} + ' ' + datum.shown)",
+                          "as": "aria"}]
     if slider is not None:
         spec["params"] = [slider.param()]
-        spec["transform"] = [slider.keeps()]
+        spec["transform"].insert(0, slider.keeps())
     if n_heads == 1:
         spec.update(cell)
     else:
@@ -701,7 +704,7 @@ def interactive_curves(x, curves, *, alt: str, x_label: str, y_label: str,
             who, shown = f"{names[c]}, {x_label} {xs[i]:g}", f"{frames[s, c, i]:.4g}"
             rows.append({"frame": slider.values[s] if slider else 0, "series": names[c],
                          "x": _rounded(xs[i]), "y": _rounded(frames[s, c, i]), "shown": shown,
-                         "who": who, "aria": f"{who}, {y_label} {shown}"})
+                         "who": who})
     legend = {"field": "series", "type": "nominal", "sort": names, "title": None}
     spec = {"data": {"values": rows}, "background": "white", "width": 420, "height": 260,
             "mark": {"type": "line", "point": {"size": 28}},
@@ -720,7 +723,9 @@ def interactive_curves(x, curves, *, alt: str, x_label: str, y_label: str,
                 "description": {"field": "aria"}}}
     if title is not None:
         spec["title"] = title
+    spec["transform"] = [{"calculate": f"datum.who + ', ' + {json.dumps(y_label)} + ' ' "
+                                       "+ datum.shown", "as": "aria"}]
     if slider is not None:
         spec["params"] = [slider.param()]
-        spec["transform"] = [slider.keeps()]
+        spec["transform"].insert(0, slider.keeps())
     return InteractiveFigure(spec, fig, alt)

@@ -52,9 +52,12 @@ def test_a_map_holds_every_cell_with_its_query_key_and_weight():
     assert cell["query"] == "2: c" and cell["key"] == "1: b" and not cell["masked"]
     assert cell["value"] == pytest.approx(w[2, 1].item(), abs=1e-4)
     assert cell["shown"] == f"{w[2, 1].item():.3f}"
-    assert cell["aria"] == f"query 2: c, key 1: b, weight {w[2, 1].item():.3f}"
+    assert cell["who"] == "query 2: c, key 1: b"
+    assert fig.spec["transform"] == [{"calculate": "datum.who + (datum.masked ? ', masked' : "
+                                                   "', ' + \"weight\" + ' ' + datum.shown)",
+                                      "as": "aria"}]
     above = row(fig, qi=1, ki=3)
-    assert above["masked"] and above["shown"] == "masked" and above["aria"].endswith(", masked")
+    assert above["masked"] and above["shown"] == "masked"
     tooltip = [t["field"] for t in fig.spec["layer"][0]["encoding"]["tooltip"]]
     assert tooltip == ["query", "key", "shown"]
     assert fig.spec["layer"][0]["encoding"]["color"]["scale"] == {
@@ -81,7 +84,7 @@ def test_heads_are_panels_sharing_one_colour_scale_and_named_in_the_tooltip():
                                 mask=CAUSAL, head_titles=["previous", "induction"], cols=2)
     assert fig.spec["facet"]["field"] == "head" and fig.spec["columns"] == 2
     assert fig.spec["resolve"] == {"scale": {"color": "shared"}}
-    assert row(fig, head="induction", qi=3, ki=0)["aria"].startswith("induction, query 3")
+    assert row(fig, head="induction", qi=3, ki=0)["who"] == "induction, query 3: 3, key 0: 0"
     assert fig.spec["spec"]["layer"][0]["encoding"]["tooltip"][0] == {"field": "head",
                                                                        "title": "map"}
 
@@ -91,13 +94,14 @@ def test_signed_scores_use_the_diverging_map_centred_at_zero():
     fig = interactive_attention(scores, alt="signed scores of two queries and two keys")
     assert fig.spec["layer"][0]["encoding"]["color"]["scale"] == {
         "scheme": "redblue", "reverse": True, "domain": [-3.0, 3.0]}
-    assert row(fig, qi=0, ki=0)["aria"].endswith("score -2.000")
+    assert row(fig, qi=0, ki=0)["shown"] == "-2.000"
+    assert '"score"' in fig.spec["transform"][0]["calculate"]
 
 
 def test_a_bool_mask_is_drawn_as_may_attend_with_its_masked_cells_crossed():
     fig = interactive_attention(CAUSAL, alt="the causal mask of four tokens")
     assert row(fig, qi=3, ki=0)["shown"] == "yes"
-    assert row(fig, qi=3, ki=0)["aria"] == "query 3: 3, key 0: 0, may attend yes"
+    assert '"may attend"' in fig.spec["transform"][0]["calculate"]
     assert row(fig, qi=0, ki=3)["masked"] and row(fig, qi=0, ki=3)["shown"] == "masked"
     colour = fig.spec["layer"][0]["encoding"]["color"]
     assert "field" not in colour and colour["value"] == "#08306b"     # no colour bar
@@ -122,7 +126,7 @@ def test_a_slider_holds_one_frame_per_value_and_the_fallback_draws_the_start():
                                                                      abs=1e-4)
     assert fig.spec["params"] == [{"name": "knob", "value": 2.0, "bind": {
         "input": "range", "min": 1.0, "max": 3.0, "step": 1.0, "name": "W "}}]
-    assert fig.spec["transform"] == [{"filter": "abs(datum.frame - knob) < 0.5"}]
+    assert fig.spec["transform"][0] == {"filter": "abs(datum.frame - knob) < 0.5"}
     expected = shown_image(plot_attention(frames[1], mask=CAUSAL))
     np.testing.assert_array_equal(shown_image(fig.fallback), expected)
 
@@ -169,7 +173,9 @@ def test_curves_hold_every_point_tell_lines_apart_by_dash_and_leave_out_non_fini
     assert len(rows_of(fig)) == 2 * 2 * 5 - 1
     point = row(fig, frame=1.0, series="softmax", x=4.0)
     assert point["y"] == 16.0 and point["shown"] == "16"
-    assert point["aria"] == "softmax, T 4, cost 16" and point["who"] == "softmax, T 4"
+    assert point["who"] == "softmax, T 4"
+    assert fig.spec["transform"][-1] == {
+        "calculate": "datum.who + ', ' + \"cost\" + ' ' + datum.shown", "as": "aria"}
     encoding = fig.spec["encoding"]
     assert encoding["color"]["field"] == encoding["strokeDash"]["field"] == "series"
     assert encoding["y"]["scale"]["domain"] == [0.0, 25.0]

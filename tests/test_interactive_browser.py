@@ -137,6 +137,17 @@ def test_every_figure_draws_without_a_word_in_the_console_and_drops_its_fallback
     assert not page.logged, page.logged
 
 
+def test_each_cell_and_point_is_named_for_a_screen_reader(page):
+    label = page.locator(f'#{page.ids["map"]} g.mark-rect > path[aria-label^="query 3: d, key 1"]')
+    assert label.first.get_attribute("aria-label") == \
+        f"query 3: d, key 1: b, weight {WEIGHTS[0, 3, 1].item():.3f}"
+    assert page.locator(f'#{page.ids["map"]} g.mark-rect > path'
+                        '[aria-label="query 1: b, key 4: e, masked"]').count() == 1
+    point = page.locator(f'#{page.ids["curves"]} g.mark-symbol > path'
+                         '[aria-label^="softmax, T 4,"]')
+    assert point.first.get_attribute("aria-label") == "softmax, T 4, cost 0.2"
+
+
 def test_hovering_a_cell_shows_its_query_key_and_weight(page):
     text = tooltip_of(page, "map", "query 3: d, key 1: b,")
     assert text == f"query 3: d key 1: b weight {WEIGHTS[0, 3, 1].item():.3f}"
