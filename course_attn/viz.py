@@ -608,8 +608,10 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
     tooltip = [{"field": "head", "title": "map"}] * (n_heads > 1) + [
         {"field": "query", "title": "query"}, {"field": "key", "title": "key"},
         {"field": "shown", "title": label}]
-    # 18 px a cell, within 120..360 px a map, and about 720 px a row of maps (the book's column)
-    side = max(120, min(360, 18 * max(tq, tk), 720 // min(cols, n_heads) - 60))
+    # 18 px a cell, 120..360 px a map, a row of maps within 520 px (the book's column, about
+    # 670 px wide, also holds the axis and the colour bar); labels as tall as a cell allows.
+    side = max(120, min(360, 18 * max(tq, tk), 520 // min(cols, n_heads)))
+    label_size = max(6, min(10, side // max(tq, tk)))
     cell = {"width": side, "height": side * tq / tk if tq < tk else side,
             "layer": [
                 {"mark": {"type": "rect", "stroke": "white", "strokeWidth": 0.5},
@@ -630,7 +632,7 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
                               # a ring lies over its cell: hovering it tells the cell's values
                               "encoding": {"x": x, "y": y, "tooltip": tooltip}})
     spec = {"data": {"values": rows}, "background": "white",
-            "config": {"view": {"stroke": None}, "axis": {"labelFontSize": 10}}}
+            "config": {"view": {"stroke": None}, "axis": {"labelFontSize": label_size}}}
     if title is not None:
         spec["title"] = title
     # What a screen reader says of a cell, written by Vega (not stored in every row).
