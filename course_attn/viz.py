@@ -506,6 +506,11 @@ def _rounded(x: float) -> float:
     return round(float(x), _DIGITS)
 
 
+def _position(i: int, label: str) -> str:
+    """How a tooltip names position i: "3: a" with a token, "3" when the label is the number."""
+    return str(i) if label == str(i) else f"{i}: {label}"
+
+
 def _token_axis(labels: list[str], title: str, across: bool = False) -> dict:
     """A Vega-Lite axis over positions 0..n-1 that writes each position's token; a horizontal
     axis turns labels longer than two characters on end, as plot_attention does."""
@@ -590,8 +595,8 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
         value = _rounded(values[s, h, i, j]) if ok else 0.0
         shown = ("yes" if is_mask_picture else f"{value:.3f}") if ok else "masked"
         rows.append({"frame": slider.values[s] if slider else 0, "head": names[h], "qi": i,
-                     "ki": j, "query": f"{i}: {query_labels[i]}",
-                     "key": f"{j}: {key_labels[j]}", "masked": not ok, "value": value,
+                     "ki": j, "query": _position(i, query_labels[i]),
+                     "key": _position(j, key_labels[j]), "masked": not ok, "value": value,
                      "shown": shown, "ringed": bool(ringed[h, i, j])})
         rows[-1]["who"] = (f"{names[h]}, " * (n_heads > 1)
                            + f"query {rows[-1]['query']}, key {rows[-1]['key']}")
