@@ -136,6 +136,40 @@ def _masked_patch(label: str = "masked") -> Patch:
                  label=label)
 
 
+def _axis_labels(tokens, query_tokens, tq: int,
+                 tk: int) -> tuple[list[str] | None, list[str] | None]:
+    """(key labels, query labels) of a (Tq, Tk) map; None for an axis that is only numbered.
+
+    The queries are by default the last Tq of ``tokens`` (the latest tokens, as with a KV cache).
+    """
+    key_labels = None if tokens is None else _labels(tokens, tk, "tokens", "keys (Tk)")
+    if query_tokens is not None:
+        return key_labels, _labels(query_tokens, tq, "query_tokens", "queries (Tq)")
+    if key_labels is not None and tq > tk:
+        raise ValueError(f"{tq} queries but only {tk} key tokens: pass query_tokens")
+    return key_labels, None if key_labels is None else key_labels[tk - tq:]
+
+
+def _colour_scale(shown: torch.Tensor, is_mask_picture: bool,
+                  signed: bool | None) -> tuple[float, float, str, str]:
+    """(lo, hi, colour map, what a value is called) by the module's convention.
+
+    ``shown``: the values drawn (finite, not masked); ``signed`` None decides from them (scores
+    when one lies outside [0, 1]). Scores span -m..m, m the largest |score|; weights and masks
+    span [0, 1].
+    """
+    if is_mask_picture:
+        return 0.0, 1.0, WEIGHTS_CMAP, "may attend"
+    if signed is None:
+        signed = bool(shown.numel()) and bool(((shown < -WEIGHT_TOLERANCE)
+                                               | (shown > 1 + WEIGHT_TOLERANCE)).any())
+    if not signed:
+        return 0.0, 1.0, WEIGHTS_CMAP, "weight"
+    m = shown.abs().max().item() if shown.numel() else 1.0
+    m = m if m > 0 else 1.0
+    return -m, m, SCORES_CMAP, "score"
+
+
 def plot_attention(weights, tokens=None, *, query_tokens=None, title: str | None = None,
                    head_titles: Sequence[str] | None = None, cols: int = 4,
                    ax: Axes | None = None, mask=None, signed: bool | None = None,
@@ -175,15 +209,7 @@ def plot_attention(weights, tokens=None, *, query_tokens=None, title: str | None
     n_heads, tq, tk = maps.shape
     if tq == 0 or tk == 0 or n_heads == 0:
         raise ValueError(f"weights must not be empty, got shape {tuple(w.shape)}")
-    key_labels = None if tokens is None else _labels(tokens, tk, "tokens", "keys (Tk)")
-    if query_tokens is not None:
-        query_labels = _labels(query_tokens, tq, "query_tokens", "queries (Tq)")
-    elif key_labels is not None and tq <= tk:
-        query_labels = key_labels[tk - tq:]
-    elif key_labels is not None:
-        raise ValueError(f"{tq} queries but only {tk} key tokens: pass query_tokens")
-    else:
-        query_labels = None
+    key_labels, query_labels = _axis_labels(tokens, query_tokens, tq, tk)
     if head_titles is not None:
         head_titles = _labels(head_titles, n_heads, "head_titles", "heads")
     elif w.dim() == 3:
@@ -203,23 +229,11 @@ def plot_attention(weights, tokens=None, *, query_tokens=None, title: str | None
     shown = values[allowed]
     any_masked = not bool(allowed.all())
 
-    if is_mask_picture:
-        lo, hi, colours = 0.0, 1.0, matplotlib.colormaps[cmap or WEIGHTS_CMAP]
-        label = None
-    else:
-        if signed is None:
-            signed = bool(shown.numel()) and bool(((shown < -WEIGHT_TOLERANCE)
-                                                   | (shown > 1 + WEIGHT_TOLERANCE)).any())
-        if signed:
-            m = shown.abs().max().item() if shown.numel() else 1.0
-            m = m if m > 0 else 1.0
-            lo, hi = -m, m
-            colours = matplotlib.colormaps[cmap or SCORES_CMAP]
-            label = "score" if colorbar_label is None else colorbar_label
-        else:
-            lo, hi = 0.0, 1.0
-            colours = matplotlib.colormaps[cmap or WEIGHTS_CMAP]
-            label = "weight" if colorbar_label is None else colorbar_label
+    lo, hi, convention, name = _colour_scale(shown, is_mask_picture, signed)
+    colours = matplotlib.colormaps[cmap or convention]
+    label = None                                   # a mask has a legend, not a colour bar
+    if not is_mask_picture:
+        label = name if colorbar_label is None else colorbar_label
         if any_masked:
             label += " (hatched: masked)"
     lo, hi = lo if vmin is None else vmin, hi if vmax is None else vmax
@@ -465,12 +479,15 @@ class InteractiveFigure:
         return buffer.getvalue()
 
     def to_html(self) -> str:
+        return self._html(base64.b64encode(self.png()).decode())
+
+    def _html(self, image: str) -> str:
+        """The HTML around ``image``, the fallback PNG in base64."""
         spec = json.dumps(self.spec, separators=(",", ":"), allow_nan=False)
         figure_id = "figure-" + hashlib.sha1(spec.encode()).hexdigest()[:12]
         # JSON inside <script>: "</" would end the script early.
         script = _EMBED_SCRIPT % {"id": json.dumps(figure_id),
                                   "spec": spec.replace("</", "<\\/")}
-        image = base64.b64encode(self.png()).decode()
         alt = html.escape(self.alt, quote=True)
         return (f'<div class="{INTERACTIVE_CLASS}" id="{figure_id}" role="figure" '
                 f'aria-label="{alt}" style="background:#fff;color:#1a1a1a;padding:4px">'
@@ -478,8 +495,8 @@ class InteractiveFigure:
                 f'style="max-width:100%"><div class="course-chart"></div></div>{script}')
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
-        return {"text/html": self.to_html(),
-                "image/png": base64.b64encode(self.png()).decode(),
+        image = base64.b64encode(self.png()).decode()          # drawn once, shown in both
+        return {"text/html": self._html(image), "image/png": image,
                 "text/plain": f"<InteractiveFigure: {self.alt}>"}
 
     def __repr__(self) -> str:
@@ -560,13 +577,10 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
             rows_, cols_ = torch.nonzero(ringed[h], as_tuple=True)
             panel_ax.scatter(cols_.numpy(), rows_.numpy(), s=90, facecolors="none",
                              edgecolors=OUTLINE_COLOUR, linewidths=1.5, zorder=3)
-    key_labels = [str(i) for i in range(tk)] if tokens is None else _labels(
-        tokens, tk, "tokens", "keys (Tk)")
-    if query_tokens is not None:
-        query_labels = _labels(query_tokens, tq, "query_tokens", "queries (Tq)")
-    elif tokens is not None and tq <= tk:
-        query_labels = key_labels[tk - tq:]          # the latest tokens, as in plot_attention
-    else:
+    key_labels, query_labels = _axis_labels(tokens, query_tokens, tq, tk)
+    if key_labels is None:
+        key_labels = [str(j) for j in range(tk)]
+    if query_labels is None:
         query_labels = [str(i) for i in range(tq)]
     names = (list(head_titles) if head_titles is not None
              else [f"head {h}" for h in range(n_heads)])
@@ -577,17 +591,8 @@ def interactive_attention(weights, tokens=None, *, alt: str, query_tokens=None,
         allowed &= frame_masks.reshape(maps.shape)
     values = maps.float()
     allowed &= maps if is_mask_picture else torch.isfinite(values)
-    finite = values[allowed]
-    if is_mask_picture:
-        lo, hi, scheme, label = 0.0, 1.0, WEIGHTS_CMAP, value_label or "may attend"
-    else:
-        if signed is None:
-            signed = bool(finite.numel()) and bool(((finite < -WEIGHT_TOLERANCE)
-                                                    | (finite > 1 + WEIGHT_TOLERANCE)).any())
-        m = (finite.abs().max().item() if finite.numel() else 1.0) or 1.0
-        lo, hi = (-m, m) if signed else (0.0, 1.0)
-        scheme = SCORES_CMAP if signed else WEIGHTS_CMAP
-        label = value_label or ("score" if signed else "weight")
+    lo, hi, scheme, name = _colour_scale(values[allowed], is_mask_picture, signed)
+    label = value_label or name
 
     rows = []
     for s, h, i, j in itertools.product(range(n_frames), range(n_heads), range(tq), range(tk)):
@@ -708,10 +713,10 @@ def interactive_curves(x, curves, *, alt: str, x_label: str, y_label: str,
     rows = []
     for s, c, i in itertools.product(range(n_frames), range(n_series), range(n)):
         if math.isfinite(frames[s, c, i]):
-            who, shown = f"{names[c]}, {x_label} {xs[i]:g}", f"{frames[s, c, i]:.4g}"
             rows.append({"frame": slider.values[s] if slider else 0, "series": names[c],
-                         "x": _rounded(xs[i]), "y": _rounded(frames[s, c, i]), "shown": shown,
-                         "who": who})
+                         "x": _rounded(xs[i]), "y": _rounded(frames[s, c, i]),
+                         "shown": f"{frames[s, c, i]:.4g}",
+                         "who": f"{names[c]}, {x_label} {xs[i]:g}"})
     legend = {"field": "series", "type": "nominal", "sort": names, "title": None}
     spec = {"data": {"values": rows}, "background": "white", "width": 420, "height": 260,
             "mark": {"type": "line", "point": {"size": 28}},
