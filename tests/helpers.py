@@ -1,11 +1,17 @@
 """What several test modules share: seeded inputs, the attention cases that every backend is
-swept over, a tiny GPT, and what a command line printed. Test modules import it as ``helpers``
+swept over, a tiny GPT, what a command line printed, and the browser tests' Chromium, local web
+server and interactive-figure probe. Test modules import it as ``helpers``
 (conftest.py puts this folder on ``sys.path``, whatever pytest's import mode), never from one
 another."""
 
+import contextlib
+import functools
+import http.server
 import math
 import os
 import shutil
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,6 +177,35 @@ def require_browser(missing: str | None = None) -> None:
         pytest.skip(missing, allow_module_level=True)
 
 
+@contextlib.contextmanager
+def chromium() -> Iterator:
+    """Debian's chromium, headless, launched by playwright with CHROMIUM_FLAGS, for the block."""
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def served(folder: Path) -> Iterator[str]:
+    """``folder`` served over HTTP on 127.0.0.1 for the block, which gets its base URL."""
+    handler = functools.partial(_QuietHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+
+
 # An interactive figure (course_attn.viz.InteractiveFigure) once Vega has drawn it: its data rows
 # (each with "frame", "who" -- which cell or point --, "shown" -- the value as the tooltip writes
 # it -- and "masked" on maps) and its slider's value.
@@ -190,16 +225,17 @@ def figures_drawn(page, timeout_ms: int = 20_000) -> list[str]:
     return page.eval_on_selector_all(".course-interactive", "els => els.map(e => e.id)")
 
 
-def _tooltip_after_hover(page, figure_id: str, who: str) -> tuple[str, str]:
-    """Hover the mark of ``who`` in the figure; (its aria-label, the tooltip's text)."""
+def hover_tooltip(page, figure_id: str, aria_prefix: str) -> str:
+    """Hover the first cell or point of the figure whose accessible name starts with
+    ``aria_prefix``; the text of the tooltip it shows."""
     page.mouse.move(0, 0)
     mark = page.locator(f'#{figure_id} :is(g.mark-rect, g.mark-symbol) > path'
-                        f'[aria-label^="{who}, "]').first
+                        f'[aria-label^="{aria_prefix}"]').first
     mark.scroll_into_view_if_needed()
     mark.hover(force=True)
     tooltip = page.locator("#vg-tooltip-element")
     tooltip.wait_for(state="visible", timeout=5_000)
-    return mark.get_attribute("aria-label"), tooltip.inner_text()
+    return tooltip.inner_text()
 
 
 def probe_interactive_figure(page, figure_id: str) -> list[str]:
@@ -231,7 +267,7 @@ def probe_interactive_figure(page, figure_id: str) -> list[str]:
             return [f"{figure_id}: the slider changes no value between {start} and {last}"]
         who = moving[len(moving) // 2]
     problems = []
-    label, text = _tooltip_after_hover(page, figure_id, who)
+    text = hover_tooltip(page, figure_id, f"{who}, ")
     if at[start, who] not in text:
         problems.append(f"{figure_id}: hovering {who!r} shows {text!r}, not {at[start, who]}")
     if state["knob"] is not None:
@@ -240,7 +276,7 @@ def probe_interactive_figure(page, figure_id: str) -> list[str]:
         knob = page.evaluate(_FIGURE_STATE, figure_id)["knob"]
         if abs(knob - last) > 1e-9:
             problems.append(f"{figure_id}: the slider moved the knob to {knob}, not {last}")
-        label, text = _tooltip_after_hover(page, figure_id, who)
+        text = hover_tooltip(page, figure_id, f"{who}, ")
         if at[last, who] not in text:
             problems.append(f"{figure_id}: after sliding to {last:g}, hovering {who!r} shows "
                             f"{text!r}, not {at[last, who]}")

@@ -21,21 +21,20 @@ test needs neither npm nor the network.
 """
 
 import functools
-import http.server
 import json
 import os
 import re
 import sys
 import sysconfig
-import threading
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urldefrag, urljoin, urlparse
 
 import pytest
-from helpers import CHROMIUM, figures_drawn, probe_interactive_figure, require_browser
-from helpers import CHROMIUM_FLAGS as FLAGS
+from helpers import chromium, figures_drawn, probe_interactive_figure, require_browser, served
+
+from course_attn.viz import INTERACTIVE_CLASS
 
 ROOT = Path(__file__).resolve().parents[1]
 HTML = Path(os.environ.get("BOOK_HTML") or ROOT / "_build" / "html").resolve()
@@ -61,7 +60,7 @@ AXE_RUN = """async blocking => {
 # Each page's weight before the interactive figures (bytes it loaded); a page may weigh twice that.
 WEIGHTS_BEFORE = json.loads((ROOT / "tests" / "fixtures" / "page_weights.json").read_text())
 MAX_WEIGHT_GROWTH = 2.0
-INTERACTIVE = 'class="course-interactive"'           # course_attn.viz.INTERACTIVE_CLASS
+INTERACTIVE = f'class="{INTERACTIVE_CLASS}"'
 # The chapters whose figures issue 23 asked to be interactive; those with a slider among them.
 INTERACTIVE_CHAPTERS = ("01", "02", "03", "04", "05", "06", "10", "11")
 SLIDER_CHAPTERS = ("02", "05", "06", "10", "11")
@@ -80,7 +79,6 @@ require_browser(None if (HTML / "index.html").exists()
                 else "the book is not built: run `make book`")
 
 from playwright.sync_api import Error as PlaywrightError  # noqa: E402
-from playwright.sync_api import sync_playwright  # noqa: E402
 
 
 def book_pages() -> list[str]:
@@ -91,27 +89,16 @@ def book_pages() -> list[str]:
                   and 'http-equiv="refresh"' not in p.read_text(encoding="utf-8").lower())
 
 
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def site():
-    handler = functools.partial(_Quiet, directory=str(HTML))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/"
-    server.shutdown()
+    with served(HTML) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def browser():
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+    with chromium() as b:
         yield b
-        b.close()
 
 
 class Visit:

@@ -9,10 +9,7 @@ or keyboard. Without Vega the fallback image stays. The book's own figures are p
 way in tests/test_browser.py.
 """
 
-import functools
-import http.server
 import shutil
-import threading
 from pathlib import Path
 
 import matplotlib
@@ -21,14 +18,12 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from helpers import CHROMIUM, CHROMIUM_FLAGS, figures_drawn, probe_interactive_figure  # noqa: E402
-from helpers import require_browser  # noqa: E402
+from helpers import chromium, figures_drawn, hover_tooltip, probe_interactive_figure  # noqa: E402
+from helpers import require_browser, served  # noqa: E402
 
 from course_attn.viz import Slider, interactive_attention, interactive_curves  # noqa: E402
 
 require_browser()
-
-from playwright.sync_api import sync_playwright  # noqa: E402
 
 VEGA = Path(__file__).resolve().parents[1] / "_ext" / "static" / "vega"
 SCRIPTS = ("vega.min.js", "vega-lite.min.js", "vega-embed.min.js")
@@ -68,18 +63,11 @@ FIGURES = {
                               y_label="FLOPs", series=["quadratic", "linear"], log_x=True,
                               log_y=True, alt="two costs against T on log-log axes"),
 }
-
-
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
-def serve(folder: Path):
-    handler = functools.partial(_Quiet, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+# A figure whose tooltip rounds the weight to one decimal: the probe must catch it.
+WRONG = interactive_attention(WEIGHTS, list("abcde"), mask=CAUSAL, alt="a wrong figure here",
+                              slider=Slider("window W", [1, 2, 3]))
+for _layer in WRONG.spec["layer"]:
+    _layer["encoding"]["tooltip"][-1] = {"field": "value", "format": ".1f", "title": "weight"}
 
 
 @pytest.fixture(scope="module")
@@ -88,23 +76,21 @@ def site(tmp_path_factory):
     (folder / "vega").mkdir()
     for name in SCRIPTS:
         shutil.copy(VEGA / name, folder / "vega" / name)
-    body = "".join(f.to_html() for f in FIGURES.values())
     scripts = "".join(f'<script defer src="vega/{name}"></script>' for name in SCRIPTS)
-    (folder / "with_vega.html").write_text(
-        f"<!doctype html><html><head>{NO_ICON}{scripts}</head><body>{body}</body></html>")
-    (folder / "without_vega.html").write_text(
-        f"<!doctype html><html><head>{NO_ICON}</head><body>{body}</body></html>")
-    server = serve(folder)
-    yield f"http://127.0.0.1:{server.server_address[1]}/"
-    server.shutdown()
+    pages = {"with_vega": (scripts, FIGURES.values()), "without_vega": ("", FIGURES.values()),
+             "wrong": (scripts, [WRONG])}
+    for name, (head, figures) in pages.items():
+        body = "".join(f.to_html() for f in figures)
+        (folder / f"{name}.html").write_text(
+            f"<!doctype html><html><head>{NO_ICON}{head}</head><body>{body}</body></html>")
+    with served(folder) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def browser():
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+    with chromium() as b:
         yield b
-        b.close()
 
 
 @pytest.fixture
@@ -121,13 +107,7 @@ def page(browser, site):
 
 
 def tooltip_of(page, figure: str, aria_prefix: str) -> str:
-    page.mouse.move(0, 0)
-    page.locator(f'#{page.ids[figure]} g.mark-rect > path[aria-label^="{aria_prefix}"], '
-                 f'#{page.ids[figure]} g.mark-symbol > path[aria-label^="{aria_prefix}"]'
-                 ).first.hover(force=True)
-    tooltip = page.locator("#vg-tooltip-element")
-    tooltip.wait_for(state="visible")
-    return " ".join(tooltip.inner_text().split())
+    return " ".join(hover_tooltip(page, page.ids[figure], aria_prefix).split())
 
 
 def test_every_figure_draws_without_a_word_in_the_console_and_drops_its_fallback(page):
@@ -181,19 +161,10 @@ def test_the_probe_that_checks_the_book_passes_here(page, figure):
     assert probe_interactive_figure(page, page.ids[figure]) == []
 
 
-def test_the_probe_catches_a_tooltip_that_shows_the_wrong_value(browser, site, tmp_path):
-    wrong = interactive_attention(WEIGHTS, list("abcde"), mask=CAUSAL, alt="a wrong figure here",
-                                  slider=Slider("window W", [1, 2, 3]))
-    for layer in wrong.spec["layer"]:                # the tooltip rounds to one decimal
-        layer["encoding"]["tooltip"][-1] = {"field": "value", "format": ".1f", "title": "weight"}
+def test_the_probe_catches_a_tooltip_that_shows_the_wrong_value(browser, site):
     context = browser.new_context()
     page = context.new_page()
-    page.set_content(wrong.to_html())
-    for name in SCRIPTS:
-        page.add_script_tag(path=str(VEGA / name))
-    page.evaluate("() => document.querySelectorAll('script:not([src])').forEach("
-                  "s => { const t = document.createElement('script'); t.text = s.text; "
-                  "document.body.appendChild(t); })")
+    page.goto(site + "wrong.html")
     (figure_id,) = figures_drawn(page)
     problems = probe_interactive_figure(page, figure_id)
     context.close()

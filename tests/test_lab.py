@@ -21,8 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import CHROMIUM, require_browser
-from helpers import CHROMIUM_FLAGS as FLAGS
+from helpers import chromium, require_browser
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv"
@@ -32,8 +31,6 @@ TOKEN = "course-attn-test-token"
 
 require_browser(None if (VENV / ".installed").exists() and (VENV / "bin" / "jupyter").exists()
                 else "the .venv is not installed (`make lab` or `make test` installs it)")
-
-from playwright.sync_api import sync_playwright  # noqa: E402
 
 
 def _free_port() -> int:
@@ -105,22 +102,18 @@ def test_lab_serves_the_repository_and_starts_in_work(lab):
 
 
 def test_an_exercises_chapter_link_opens_in_lab(lab):
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        try:
-            page = browser.new_page()
-            errors = []
-            page.on("console", lambda m: errors.append(m.text) if "outside root" in m.text
-                    else None)
-            page.goto(f"{lab}/lab/tree/work/{EXERCISE}?token={TOKEN}", timeout=60_000)
-            link = page.locator(".jp-RenderedMarkdown a", has_text="Chapter 5").first
-            link.wait_for(timeout=60_000)
-            with page.expect_response(lambda r: f"/api/contents/book/{EXERCISE}" in r.url,
-                                      timeout=30_000) as opened:
-                link.click()
-            assert opened.value.status == 200
-            page.wait_for_url(f"**/lab/tree/book/{EXERCISE}*", timeout=30_000)
-            assert not errors, errors
-            assert page.locator(".jp-Dialog").count() == 0, page.locator(".jp-Dialog").inner_text()
-        finally:
-            browser.close()
+    with chromium() as browser:
+        page = browser.new_page()
+        errors = []
+        page.on("console", lambda m: errors.append(m.text) if "outside root" in m.text
+                else None)
+        page.goto(f"{lab}/lab/tree/work/{EXERCISE}?token={TOKEN}", timeout=60_000)
+        link = page.locator(".jp-RenderedMarkdown a", has_text="Chapter 5").first
+        link.wait_for(timeout=60_000)
+        with page.expect_response(lambda r: f"/api/contents/book/{EXERCISE}" in r.url,
+                                  timeout=30_000) as opened:
+            link.click()
+        assert opened.value.status == 200
+        page.wait_for_url(f"**/lab/tree/book/{EXERCISE}*", timeout=30_000)
+        assert not errors, errors
+        assert page.locator(".jp-Dialog").count() == 0, page.locator(".jp-Dialog").inner_text()
