@@ -14,8 +14,12 @@ WORK   := work
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 # More options for `make lab`, e.g. LAB_ARGS="--no-browser --port=8899".
 LAB_ARGS ?=
+# `make test`'s pytest-xdist workers: two fit this course's 2-core CI machine.
+TEST_WORKERS ?= 2
+# `make gpu-check` installs nothing: a lent GPU machine has its own torch and no internet.
+GPU_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
-.PHONY: help test book book-under-load work lab grade exercises bench clean
+.PHONY: help test book book-under-load work lab grade exercises bench gpu-check clean
 .DEFAULT_GOAL := help
 
 $(STAMP): requirements.txt pyproject.toml
@@ -35,9 +39,11 @@ help:
 	  { text = "" }' $(firstword $(MAKEFILE_LIST))
 
 ## every test: the package, the grader, nbval over book/, exercises/, solutions/, and the built
-## book in a browser -- so the book is built first (after one build, only changed notebooks run)
+## book in a browser -- so the book is built first (after one build, only changed notebooks run);
+## on TEST_WORKERS processes (default 2), then the ten slowest tests
 test: book
-	$(PY) -m pytest tests book exercises solutions --nbval-lax --nbval-current-env
+	$(PY) -m pytest tests book exercises solutions --nbval-lax --nbval-current-env \
+	  -n $(TEST_WORKERS) --dist loadgroup --durations=10
 
 ## the Jupyter Book in _build/html, every notebook executed, warnings as errors
 book: $(STAMP)
@@ -76,6 +82,12 @@ exercises: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m course_attn.bench
 
+## on a machine with a CUDA GPU: the package's tests, the Triton kernel, the grader's sandbox,
+## chapters 8-11 and the bench, each within its time budget, into one report (OUT=folder, default
+## gpu-report/); it uses .venv where there is one, else the machine's own python3 and torch
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m course_attn.gpu_check $(if $(OUT),--out $(OUT))
+
 ## what the build and the tests leave behind (never work/)
 clean:
-	rm -rf _build .pytest_cache .hypothesis artifacts
+	rm -rf _build .pytest_cache .hypothesis artifacts gpu-report
