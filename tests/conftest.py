@@ -67,3 +67,16 @@ def require_dtype():
             pytest.skip(f"{dtype} is not supported on {device}")
     return require
 
+
+
+@pytest.fixture(autouse=True)
+def no_torch_mode_left_behind():
+    """Each test leaves torch's mode stacks as it found them: a mode left on a stack (a
+    guard not taken off) sends every later torch call of the process through Python, and made
+    the modules after it run several times slower."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    stacks = (torch.overrides._get_current_function_mode_stack, _get_current_dispatch_mode_stack)
+    before = [list(stack()) for stack in stacks]
+    yield
+    after = [list(stack()) for stack in stacks]
+    assert after == before, f"torch modes left on the stacks: {after} (before: {before})"
