@@ -11,6 +11,7 @@ its check cell 5; row_sum's 7 and 8; normalize's 10 and 11; count_positive's 13 
 """
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -21,8 +22,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 
 from grading_support import (  # noqa: E402
-    FIXTURE, FIXTURE_OPTIONS, FIXTURE_SOLUTIONS, FIXTURES, by_grade_id, edit, fingerprint,
-    index_of, live_processes, run_grader, solution_notebook, write,
+    FIXTURE, FIXTURE_OPTIONS, FIXTURE_SOLUTIONS, FIXTURES, SOLUTIONS, by_grade_id, edit,
+    fingerprint, index_of, live_processes, run_grader, solution_notebook, write,
 )
 
 from course_attn.grading import cli, grader, kernel  # noqa: E402
@@ -430,7 +431,7 @@ def test_the_kernel_gets_the_folders_of_the_check_modules_not_the_working_folder
     assert cli.module_folders(["course_attn.grading.ch03", "json", "no_such_module"]) == ()
 
 
-def test_a_check_cell_without_its_metadata_is_still_found():
+def test_a_check_cell_without_its_metadata_is_still_found_and_not_flagged():
     canonical = load_canonical(FIXTURE_SOLUTIONS / FIXTURE)
     nb = nbformat.read(FIXTURES / "exercises" / FIXTURE, as_version=4)
     check_cell = next(c for c in nb.cells if grade_id(c) == "ch99-double")
@@ -441,12 +442,25 @@ def test_a_check_cell_without_its_metadata_is_still_found():
     restored = restore_protected_cells(nb, canonical)
     assert set(restored.placed) == set(POINTS)
     assert restored.flags == [
-        "cell 16 repeats the grade_id ch99-row_sum of cell 8; it ran as the student wrote it",
-        "check cell ch99-double (cell 5) lost its nbgrader metadata; it was recognised by its "
-        "source",
-    ]
+        "cell 16 repeats the grade_id ch99-row_sum of cell 8; it ran as the student wrote it"]
     assert nb.cells[restored.placed["ch99-row_sum"]].source == \
         canonical.protected["ch99-row_sum"].source
+    assert grade_id(nb.cells[restored.placed["ch99-double"]]) == "ch99-double"
+
+
+def test_every_cell_without_metadata_the_course_cells_are_found_by_their_source():
+    """An editor that drops every cell's metadata: the setup (locked) cell is recognised by
+    its source, put back in place, not read as the student's code, and nothing is flagged."""
+    canonical = load_canonical(FIXTURE_SOLUTIONS / FIXTURE)
+    nb = nbformat.read(FIXTURES / "exercises" / FIXTURE, as_version=4)
+    for cell in nb.cells:
+        cell.metadata = nbformat.NotebookNode()
+    count = len(nb.cells)
+    restored = restore_protected_cells(nb, canonical)
+    assert restored.flags == [] and len(nb.cells) == count   # nothing inserted
+    assert set(restored.placed) == set(POINTS)
+    setup = [i for i, cell in enumerate(nb.cells) if grade_id(cell) == "ch99-setup"]
+    assert setup == [1] and restored.label(1) == "cell 2"
 
 
 def test_the_canonical_notebook_names_its_exercises_and_points():
@@ -469,8 +483,46 @@ def test_a_deleted_locked_cell_goes_back_before_the_next_protected_cell():
     assert len(nb.cells) == len(restored.numbers) == 15
 
 
-def test_chapter_comes_from_metadata_then_file_name():
+def test_chapter_comes_from_metadata_then_grade_ids_then_file_name():
     nb = nbformat.v4.new_notebook(metadata={"course_attn": {"chapter": "ch07"}})
     assert chapter_of(nb, "03_masking.ipynb") == "ch07"
     assert chapter_of(nbformat.v4.new_notebook(), "03_masking.ipynb") == "ch03"
     assert chapter_of(None, "answers.ipynb") is None
+    # "Copy of 02_….ipynb" without its notebook metadata: its cells' grade_ids say which
+    copy = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("x = 1", metadata={"nbgrader": {"grade_id": "ch02-setup"}}),
+        nbformat.v4.new_code_cell("y = 2"),
+        nbformat.v4.new_code_cell("", metadata={"nbgrader": {"grade_id": "ch02-attention"}})])
+    assert chapter_of(copy, "Copy of 02_scaled_dot_product.ipynb") == "ch02"
+    copy.cells[1].metadata["nbgrader"] = {"grade_id": "ch05-rope"}   # two chapters: no answer
+    assert chapter_of(copy, "Copy of 02_scaled_dot_product.ipynb") is None
+    assert chapter_of(copy, "02_scaled_dot_product.ipynb") == "ch02"
+
+
+def test_a_submission_that_is_a_symbolic_link_is_refused_not_followed(tmp_path):
+    """Issue 30: a link to the solutions (``/proc/self/cwd/solutions/…``, or any path), as a
+    file on the command line, in a student's folder or at the top of the class folder, or a
+    student's folder that is itself a link: refused with a one-line reason, never read."""
+    from course_attn.grading.batch import collect_class
+    from course_attn.grading.notebook import read_submission
+    solution = SOLUTIONS / "02_scaled_dot_product.ipynb"
+    refused = "not graded: the file is a symbolic link; submit the notebook itself"
+    link = tmp_path / "02_scaled_dot_product.ipynb"
+    link.symlink_to("/proc/self/cwd/solutions/02_scaled_dot_product.ipynb")
+    assert read_submission(link).problem == refused and read_submission(link).data is None
+    klass = tmp_path / "class"
+    (klass / "ada").mkdir(parents=True)
+    (klass / "ada" / "02_scaled_dot_product.ipynb").symlink_to(solution)
+    (klass / "bob.ipynb").symlink_to(solution)
+    (klass / "eve").symlink_to(SOLUTIONS)
+    found = collect_class(klass)
+    assert found.students == ["ada", "bob", "eve"]
+    assert [(s.student, s.problem, s.data) for s in found.submissions] == [
+        ("ada", refused, None), ("bob", refused, None), ("eve", refused, None)]
+
+
+def test_a_file_that_is_not_a_regular_file_is_refused(tmp_path):
+    from course_attn.grading.notebook import read_submission
+    fifo = tmp_path / "03_masking.ipynb"
+    os.mkfifo(fifo)
+    assert read_submission(fifo).problem == "not graded: not a regular file"

@@ -68,6 +68,14 @@ def review(why: str) -> str:
 
 
 STACK = review("walks the call stack (sys._getframe, inspect.stack, f_back)")
+C_CORE = review("reaches the module table or torch's C core (sys.modules, torch._C, dispatch "
+                "keys)")
+RUN_TIME_CODE = review("runs code built at run time (exec, eval, compile, __import__, importlib)")
+PROCESSES = review("starts another process (multiprocessing, subprocess, os.fork, os.system)")
+DUNDERS = review("reads Python's internals through a dunder attribute (__globals__, __closure__, "
+                 "__dict__)")
+COMPUTED_NAMES = review("reaches an attribute by a name computed at run time (getattr, setattr, "
+                        "delattr)")
 DISPATCH = review("hooks into torch's dispatch (__torch_function__, torch modes)")
 GRADER_PACKAGE = review("imports or reaches the grader's package (course_attn.grading)")
 MACHINERY = review("replaces the kernel's own machinery (IPython's user_expressions, execution, "
@@ -366,6 +374,35 @@ def stable_softmax(x, dim=-1):
     return answer
 '''
 
+# issue 30: routes around the guard that no check in the kernel can close, each refused or
+# flagged for review
+SAFE_SOFTMAX_UNDER_AN_EXCLUDED_KEY = '''def stable_softmax(x, dim=-1):
+    hidden = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)   # no torch mode sees it
+    with torch._C._ExcludeDispatchKeyGuard(hidden):
+        return torch.ops.aten._safe_softmax(x, dim)
+'''
+
+SOFTMAX_THROUGH_EXEC = '''exec("def stable_softmax(x, dim=-1):\\n    return torch.softmax(x, dim=dim)\\n")
+'''
+
+HARNESS_SOUGHT_IN_SYS_MODULES = '''import sys
+
+def stable_softmax(x, dim=-1):
+    for name, module in list(sys.modules.items()):     # the harness, if it were there
+        for value in list(vars(module).values()) if name.startswith("course_attn_h") else ():
+            if hasattr(value, "hits") and hasattr(value, "armed"):
+                value.armed = False
+    return torch.softmax(x, dim=dim)
+'''
+
+SOFTMAX_IN_A_POOL_STARTED_BEFORE = '''import multiprocessing
+
+POOL = multiprocessing.get_context("fork").Pool(1)   # forked before any graded call
+
+def stable_softmax(x, dim=-1):
+    return POOL.apply(torch.softmax, (x, dim))
+'''
+
 SOFTMAX_BACKWARD_DATA = '''def softmax_backward(y, g, dim=-1):
     return torch.ops.aten._softmax_backward_data(g, y, dim, y.dtype)
 '''
@@ -503,7 +540,7 @@ ATTACKS = {
         "issue 8: patched comparisons, builtins and the grader's judge in the kernel",
         "03_patched", "ch03-causal_mask", PATCHED_COMPARISONS,
         fails_first_or_named(r"'square, Tq=Tk=4': your result: 6 of 16 entries differ; hint: .+\)"),
-        (GRADER_PACKAGE,)),
+        (GRADER_PACKAGE, DUNDERS)),
     "lookup_table_of_the_public_cases": Attack(
         "issue 8: the public cases answered from a table recorded before grading",
         "03_a", "ch03-causal_mask", LOOKUP_TABLE,
@@ -523,14 +560,15 @@ ATTACKS = {
         "issue 8: solutions/ read next to the package the kernel imports",
         "03_e", "ch03-causal_mask", READ_SOLUTIONS_NEXT_TO_THE_PACKAGE,
         FAILS + r"'square, Tq=Tk=4': FileNotFoundError: \[Errno 2\] No such file or "
-                r"directory: '/[^']+/site/solutions/03_masking\.ipynb' .+"),
+                r"directory: '/[^']+/site/solutions/03_masking\.ipynb' .+", (RUN_TIME_CODE,)),
     "solutions_on_the_kernels_path": Attack(
         "issue 8: solutions/ looked for on the kernel's path, its folders and the repository's",
         "03_f", "ch03-causal_mask", FIND_SOLUTIONS_ON_THE_PATH,
         FAILS + r"'square, Tq=Tk=4': FileNotFoundError: no solutions/ on the kernel's path .+"),
     "package_path_emptied": Attack(
         "issue 18: course_attn.__path__ = [] and then course_attn.masks.causal_mask",
-        "03_g", "ch03-causal_mask", PACKAGE_PATH_EMPTIED, banned("course_attn.masks.causal_mask")),
+        "03_g", "ch03-causal_mask", PACKAGE_PATH_EMPTIED, banned("course_attn.masks.causal_mask"),
+        (DUNDERS,)),
     # the reference, called where the guard might not look
     "reference_in_a_thread": Attack(
         "issue 8: the reference called from a threading.Thread", "03_a", "ch03-padding_mask",
@@ -550,12 +588,12 @@ ATTACKS = {
     "guard_modes_popped": Attack(
         "issue 8/18 (was: the profiler switched off): torch's mode stacks popped in the call",
         "03_f", "ch03-padding_mask", MODES_POPPED, SWITCHED,
-        (switched_flag("ch03-padding_mask"), DISPATCH)),
+        (switched_flag("ch03-padding_mask"), DISPATCH, C_CORE)),
     "subclass_turns_into_the_reference": Attack(
         "issue 18, 1: a Tensor subclass whose __torch_function__ gives the reference when the "
         "harness reads it", "03_g", "ch03-padding_mask", SUBCLASS_TURNS_INTO_THE_REFERENCE,
         FAILS + r"'[^']+': your function returned a value of type Answer, which is not a "
-                r"tensor, number, string or list of them; hint: .+\)", (DISPATCH,)),
+                r"tensor, number, string or list of them; hint: .+\)", (DISPATCH, C_CORE)),
     # ch03.masked_attention: attention kernels
     "sibling_sdpa_backend": Attack(
         "issue 8: the package's SDPA backend", "03_a", "ch03-masked_attention",
@@ -604,6 +642,27 @@ ATTACKS = {
     "softmax_in_a_map": Attack(
         "issue 18: map(torch.softmax, rows)", "02_g", "ch02-stable_softmax", SOFTMAX_IN_A_MAP,
         banned("torch.softmax")),
+    "safe_softmax_under_an_excluded_dispatch_key": Attack(
+        "issue 30: torch.ops.aten._safe_softmax inside torch._C._ExcludeDispatchKeyGuard of the "
+        "Python key (no mode sees it: a tensor made where the guard saw no operation)", "02_h",
+        "ch02-stable_softmax", SAFE_SOFTMAX_UNDER_AN_EXCLUDED_KEY, SWITCHED,
+        (switched_flag("ch02-stable_softmax"), C_CORE)),
+    "softmax_through_exec": Attack(
+        "issue 30: the answer defined inside exec of a string", "02_i", "ch02-stable_softmax",
+        SOFTMAX_THROUGH_EXEC, banned("torch.softmax"), (RUN_TIME_CODE,)),
+    "harness_sought_in_sys_modules": Attack(
+        "issue 30: the harness looked for in sys.modules, to disarm its guard", "02_j",
+        "ch02-stable_softmax", HARNESS_SOUGHT_IN_SYS_MODULES, banned("torch.softmax"), (C_CORE,)),
+    "softmax_in_a_fork_pool_started_before": Attack(
+        "issue 30: torch.softmax in a fork pool started before the graded calls (no guard in "
+        "that process; the tensor it sends back is rebuilt with aten.set_, which no softmax "
+        "exercise allows)", "02_k", "ch02-stable_softmax", SOFTMAX_IN_A_POOL_STARTED_BEFORE,
+        banned("aten.set_"), (PROCESSES,)),
+    "reference_in_a_raw_thread": Attack(
+        "issue 8/18: the reference called from a thread that _thread started (no mode there; "
+        "since issue 30 the answer, a tensor made while the guard saw no operation, scores 0)",
+        "03_c", "ch03-padding_mask", REFERENCE_IN_A_RAW_THREAD, SWITCHED,
+        (RAW_THREADS, switched_flag("ch03-padding_mask"))),
     "aten_softmax_backward_data": Attack(
         "issue 18: torch.ops.aten._softmax_backward_data (refused by name in "
         "ch02.softmax_backward)", "02_a", "ch02-softmax_backward", SOFTMAX_BACKWARD_DATA,
@@ -650,14 +709,11 @@ ATTACKS = {
         banned("torch.celu")),
     "c_level_elu": Attack(
         "issue 18: torch._C._nn.elu", "10_b", "ch10-elu_feature_map", C_NN_ELU,
-        banned("torch.nn.functional.elu")),
+        banned("torch.nn.functional.elu"), (C_CORE,)),
 }
 
 # Not refused, by design: left to a human reviewer (harness.Guard's docstring: a thread that
 # _thread started runs without the guard's modes).
-RAW_THREAD = Attack(
-    "issue 8/18: the reference called from a thread that _thread started", "03_c",
-    "ch03-padding_mask", REFERENCE_IN_A_RAW_THREAD, "passed", (RAW_THREADS,))
 
 # which exercises call the one attacked, in the solution notebooks
 BUILDS_ON = {"ch03-causal_mask": {"ch03-document_mask"}, "ch02-stable_softmax": {"ch02-attention"},
@@ -702,7 +758,7 @@ def blank_with_proc_reader():
 def _submissions() -> dict[str, object]:
     """Submission name -> its notebook, with every attack of that name in it."""
     grouped: dict[str, list[Attack]] = {}
-    for attack in [*ATTACKS.values(), RAW_THREAD]:
+    for attack in ATTACKS.values():
         grouped.setdefault(attack.submission, []).append(attack)
     notebooks = {}
     for name, attacks in grouped.items():
@@ -764,21 +820,12 @@ def test_an_attack_scores_0_with_a_reason_that_names_it(graded, name):
         assert any(re.fullmatch(flag, f) for f in grade.flags), (attack.what, flag, grade.flags)
 
 
-def test_a_reference_in_a_raw_thread_is_not_seen_but_flagged_for_review(graded):
-    """Issue 8/18, the reference called from a thread that ``_thread`` started: the guard's
-    modes are not in that thread (``harness.Guard`` says so), so the answer counts; the
-    review flag points a human at the ``_thread`` cell."""
-    grade, attacked = _attacked(graded, RAW_THREAD)
-    assert attacked.passed and attacked.reason == "passed", attacked.reason
-    assert any(re.fullmatch(RAW_THREADS, flag) for flag in grade.flags), grade.flags
-
-
 @pytest.mark.parametrize("submission", sorted({a.submission for a in ATTACKS.values()}))
 def test_the_exercises_no_attack_touches_keep_their_points_and_no_flag_is_unexplained(
         graded, submission):
     """In each attacked notebook, every exercise that no attack touches (nor builds on an
     attacked function) passes, and every flag is one an attack of the notebook explains."""
-    attacks = [a for a in [*ATTACKS.values(), RAW_THREAD] if a.submission == submission]
+    attacks = [a for a in ATTACKS.values() if a.submission == submission]
     grade = graded[submission]
     touched = {a.gid for a in attacks} | {g for a in attacks for g in BUILDS_ON.get(a.gid, ())}
     for exercise in grade.exercises:
@@ -922,19 +969,22 @@ def test_a_process_in_a_new_session_is_killed_before_the_report_is_written(tmp_p
     """Issue 8: a process in a new session, forked twice, that would rewrite the ``--json``
     report once the grader has written it. In the sandbox it cannot see the grader's command
     line, nor reach the report's folder, and it dies with the sandbox."""
+    marker = f"{MARKER}-{workers}"  # its own: the other run may be graded at the same time
     notebook = write(edit(solution_notebook(CH03), replace={
-        "ch03-causal_mask-solution": ESCAPE.replace("REPORT", str(tmp_path / "report.json"))}),
+        "ch03-causal_mask-solution": ESCAPE.replace("REPORT", str(tmp_path / "report.json"))
+                                           .replace(MARKER, marker)}),
         tmp_path / "03_escape.ipynb")
     report = tmp_path / "report.json"
     result = run_grader(str(notebook), "--json", "report.json", "--workers", workers,
                         cwd=tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     time.sleep(2)  # what the escaped process would need to see the report and rewrite it
-    assert live_processes(MARKER) == []
+    assert live_processes(marker) == []
     [entry] = json.loads(report.read_text())["notebooks"]
     assert entry["total"] == entry["max"]
     assert by_grade_id(entry)["ch03-causal_mask"]["passed"]
-    assert all(re.fullmatch("|".join([PROC, RAW_THREADS]), flag) for flag in entry["flags"]), \
+    assert all(re.fullmatch("|".join([PROC, RAW_THREADS, PROCESSES]), flag)
+               for flag in entry["flags"]), \
         entry["flags"]
 
 

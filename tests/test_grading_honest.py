@@ -135,6 +135,21 @@ def causal_mask(tq, tk):
     return torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq)
 '''
 
+PROFILER_LEFT_ENABLED = '''import cProfile
+_prof = cProfile.Profile()
+_prof.enable()   # left on for the whole notebook
+'''
+
+COST_WITH_NUMPY = '''import numpy as np
+
+def attention_cost(b, h, tq, tk, d, dv, bytes_per_element):
+    """numpy.int64 counts (np.prod): a number is a number."""
+    flops = 2 * np.prod([b, h, tq, tk]) * (d + dv)
+    score_bytes = np.prod([b, h, tq, tk, bytes_per_element])
+    io_bytes = np.prod([b, h, bytes_per_element]) * np.array(tq * d + tk * d + tk * dv + tq * dv)
+    return {"flops": flops, "score_bytes": score_bytes, "io_bytes": io_bytes}
+'''
+
 COMPILED_HELPER = '''@torch.compile
 def _scores(q, k):
     return q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
@@ -472,14 +487,12 @@ UNCAUGHT_ERROR = '''# a scratch cell the student left failing
 1 / 0
 '''
 
-FILES_AND_SUBPROCESSES = '''import os
-import subprocess
+FILES = '''import os
 import tempfile
 
 with open("notes.txt", "w", encoding="utf-8") as file:
     file.write("causal: bottom-right aligned\\n")
 print(open("notes.txt", encoding="utf-8").read(), os.getcwd())
-print(subprocess.run(["echo", "hi"], capture_output=True, text=True).stdout)
 with tempfile.TemporaryDirectory() as folder:
     torch.save(causal_mask(3, 4), os.path.join(folder, "mask.pt"))
 '''
@@ -562,8 +575,10 @@ def corpus() -> dict[str, tuple[Path, dict]]:
             "ch03-causal_mask-solution": OWN_CHECKS_AND_OUTPUT}}),
         "errors_left_in": (CH03, {"after": {"ch03-causal_mask-solution": [ERRORS_LEFT_IN,
                                                                           UNCAUGHT_ERROR]}}),
-        "files_and_subprocesses": (CH03, {"after": {
-            "ch03-causal_mask-solution": FILES_AND_SUBPROCESSES}}),
+        "files": (CH03, {"after": {"ch03-causal_mask-solution": FILES}}),
+        "a_profiler_left_enabled": (CH03, {"after": {"ch03-setup": PROFILER_LEFT_ENABLED}}),
+        "numpy_numbers_in_a_derivation": (CH02, {"replace": {
+            "ch02-attention_cost-solution": COST_WITH_NUMPY}}),
         "async_code": (CH03, {"after": {"ch03-setup": ASYNC_CODE}}),
         "ch02_other_methods": (CH02, {"replace": {
             "ch02-stable_softmax-solution": STABLE_SOFTMAX_WIDE,
@@ -589,12 +604,36 @@ def corpus() -> dict[str, tuple[Path, dict]]:
 CORPUS = corpus()
 
 
+def copy_without_notebook_metadata():
+    """Colab's "Copy of 02_….ipynb" after an editor dropped the notebook's metadata: only its
+    cells' grade_ids say which chapter it is."""
+    nb = solution_notebook(CH02)
+    nb.metadata.pop("course_attn", None)
+    return "Copy of 02_scaled_dot_product.ipynb", nb
+
+
+def every_cell_metadata_stripped():
+    """An editor that keeps no cell metadata: no grade_id, no nbgrader field, no tag."""
+    nb = solution_notebook(CH03)
+    for cell in nb.cells:
+        cell.metadata = {}
+    return "03_stripped.ipynb", nb
+
+
+# Built whole, not by ``edit`` (which finds cells by grade_id): name -> (file name, notebook)
+WHOLE = {"copy_without_notebook_metadata": copy_without_notebook_metadata,
+         "every_cell_metadata_stripped": every_cell_metadata_stripped}
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("honest")
     paths = {name: write(edit(solution_notebook(source), **changes),
                          folder / f"{source.name[:3]}{name}.ipynb")
              for name, (source, changes) in CORPUS.items()}
+    for name, build in WHOLE.items():
+        file_name, nb = build()
+        paths[name] = write(nb, folder / file_name)
     (folder / HELPER_FILE[0]).write_text(HELPER_FILE[1])
     grades = grader.grade_notebooks(list(paths.values()), solutions_dir=SOLUTIONS, jobs=2)
     return dict(zip(paths, grades))
@@ -604,7 +643,7 @@ def test_the_corpus_is_large_enough():
     assert len(CORPUS) >= 20
 
 
-@pytest.mark.parametrize("name", CORPUS)
+@pytest.mark.parametrize("name", [*CORPUS, *WHOLE])
 def test_an_honest_submission_scores_full_marks_and_no_flag(graded, name):
     grade = graded[name]
     failed = {e.grade_id: e.reason for e in grade.exercises if not e.passed}

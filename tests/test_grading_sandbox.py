@@ -13,8 +13,10 @@ failed instead when the environment variable CI is set (CI must test the sandbox
 
 import asyncio
 import errno
+import json
 import os
 import socket
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -23,7 +25,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 
-from grading_support import ROOT, SOLUTIONS, require_sandbox  # noqa: E402
+from grading_support import (  # noqa: E402
+    FIXTURE, FIXTURE_OPTIONS, FIXTURE_SOLUTIONS, ROOT, SOLUTIONS, grader_env, require_sandbox,
+)
 
 from course_attn.grading import sandbox  # noqa: E402
 from course_attn.grading.kernel import Kernel  # noqa: E402
@@ -225,3 +229,34 @@ def test_the_memory_limit_holds_for_the_whole_process_tree(loop, tmp_path):
     finally:
         loop.run_until_complete(kernel.stop())
     assert os.getpid() and Path(f"/proc/{os.getpid()}").exists()
+
+
+def test_a_symlinked_environment_is_mounted_by_its_link_and_its_target(tmp_path):
+    """Issue 30: ``python_folders`` gave ``_outermost`` a generator, read twice, so a link's own
+    path was never mounted and bwrap could not exec ``.venv/bin/python`` through it."""
+    target = tmp_path / "real-env"
+    target.mkdir()
+    link = tmp_path / "env"
+    link.symlink_to(target)
+    kept = sandbox._outermost(str(p) for p in [link])
+    assert str(link) in kept and str(target) in kept
+
+
+def test_a_symlinked_venv_and_a_long_tmpdir_grade_as_usual(tmp_path):
+    """Issue 30: the grader run through a symlinked virtual environment, with a TMPDIR of 100
+    characters (the kernel's sockets would pass a Unix socket's 107 bytes under it), grades the
+    fixture's solutions with full marks and no error."""
+    venv = tmp_path / "venv-link"
+    venv.symlink_to(Path(sys.prefix))
+    python = venv / "bin" / Path(sys.executable).name
+    tmpdir = tmp_path / ("t" * (100 - len(str(tmp_path)) - 1))
+    tmpdir.mkdir()
+    assert len(str(tmpdir)) == 100
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [str(python), "-m", "course_attn.grade", str(FIXTURE_SOLUTIONS / FIXTURE), "--json",
+         str(report), *FIXTURE_OPTIONS], env={**grader_env(), "TMPDIR": str(tmpdir)},
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (entry,) = json.loads(report.read_text())["notebooks"]
+    assert entry["error"] is None and entry["total"] == entry["max"] > 0, entry

@@ -64,7 +64,7 @@ def collect_class(root: Path, skip: set[Path] = frozenset()) -> ClassSubmissions
     for entry in sorted(root.iterdir()):
         if entry.name.startswith(".") or entry.resolve() in skip:
             continue
-        if entry.is_dir():
+        if entry.is_dir() and not entry.is_symlink():  # a link is read as a file: refused
             student = entry.name
             notebooks = sorted(p for p in entry.rglob("*.ipynb") if p.is_file() and not any(
                 part.startswith(".") for part in p.relative_to(entry).parts))

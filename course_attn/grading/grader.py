@@ -99,7 +99,8 @@ from .harness import SWITCHES_OFF, WireError, decode, encode
 from .operations import guard_options
 from .review import review_flags
 from .judge import Answer, Judgement, judge_case
-from .kernel import MAX_OUTPUT_CHARS, OUT_OF_MEMORY, CellRun, Kernel
+from .kernel import MAX_OUTPUT_CHARS, OUT_OF_MEMORY, SCRATCH_PREFIX, CellRun, Kernel, \
+    scratch_root
 from .notebook import ReadNotebook, chapter_of, parse_notebook, read_submission, shorten
 from .report import ExerciseScore, NotebookGrade, format_table, report  # noqa: F401 (API)
 from .restore import Restored, restore_protected_cells
@@ -360,7 +361,8 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
     if nb is None or canonical is None:
         if nb is not None and grade.chapter is None:
             read.problem = ("cannot tell which chapter this is: no course_attn.chapter in its "
-                            "metadata and no NN_ prefix in its file name")
+                            "metadata, no chNN- grade_ids in its cells and no NN_ prefix in its "
+                            "file name")
         grade.error = read.problem or missing
         grade.grader_error = read.problem is None
     else:
@@ -368,7 +370,7 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
         grade.flags.extend(restored.flags)
         protected = {i for i, cell in enumerate(nb.cells)
                      if grade_id(cell) in canonical.protected}
-        grade.flags.extend(review_flags(nb, restored.label, protected))
+        grade.flags.extend(review_flags(nb, restored.label, protected, helpers))
         seed = options.hidden_seed if options.hidden_seed is not None else secrets.randbits(48)
         evaluations = {}
         checks = sorted(restored.placed.values())
@@ -379,7 +381,7 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
                 start = max([i for i in checks if i < index], default=-1) + 1
                 evaluation.block = list(range(start, index))
                 evaluations[index] = evaluation
-        with tempfile.TemporaryDirectory(prefix="course_attn_grade_",
+        with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=scratch_root(),
                                          ignore_cleanup_errors=True) as tmp:
             try:
                 runs, run_flags = await _run_notebook(nb, restored, evaluations, options,

@@ -70,7 +70,27 @@ def encode(value, depth: int = 0):
             raise WireError("a dict whose keys are not all strings")
         return {"__dict__": {key: encode(dict.__getitem__(value, key), depth + 1)
                              for key in keys}}
+    number = _numpy_number(value)
+    if number is not None:
+        return encode(number, depth)
     raise WireError(f"a value of type {type(value).__name__}")
+
+
+def _numpy_number(value):
+    """A numpy scalar (``numpy.int64``, ``numpy.float32``, ``numpy.bool_``...) or 0-d array of
+    one, as the Python number it holds; None for anything else. A number is a number, however
+    it was computed (``np.prod`` gives a numpy.int64). Only numpy's own types are read, by
+    numpy's own method, so no method of the submission's runs."""
+    numpy = sys.modules.get("numpy")  # a numpy value means numpy was imported
+    if numpy is None:
+        return None
+    kinds = (numpy.bool_, numpy.integer, numpy.floating)
+    if type(value).__module__ == "numpy" and isinstance(value, kinds) and \
+            type(value) in numpy.sctypeDict.values():
+        return numpy.generic.item(value)
+    if type(value) is numpy.ndarray and value.ndim == 0 and value.dtype.kind in "biuf":
+        return numpy.ndarray.item(value)
+    return None
 
 
 def _encode_tensor(value: torch.Tensor) -> dict:
@@ -145,7 +165,22 @@ SWITCHED_OFF = "torch's modes popped off their stacks, or the guard disarmed, du
     "call " + SWITCHES_OFF
 PROFILER_REPLACED = "sys.setprofile: the profiler that checks an arithmetic exercise, replaced " \
     "during the call (profile it outside the graded function) " + SWITCHES_OFF
+UNSEEN = "a tensor computed where the guard saw no operation at all (torch's dispatch hidden " \
+    "from it, as by excluding a dispatch key) " + SWITCHES_OFF
 _ALLOWED = object()  # what ``Guard._place`` answers inside an allowed function
+
+
+def _new_tensor(result, args, kwargs) -> bool:
+    """Whether ``result`` is, or holds at its top level, a tensor that is none of the
+    arguments."""
+    given = {id(value) for value in (*args, *kwargs.values())}
+    if type(result) in (list, tuple):
+        values = list(result)
+    elif type(result) is dict:
+        values = list(dict.values(result))
+    else:
+        values = [result]
+    return any(isinstance(value, torch.Tensor) and id(value) not in given for value in values)
 
 
 def function_name(func) -> str:
@@ -187,9 +222,21 @@ def _stem(name: str) -> str:
     return name.removesuffix("_")
 
 
+# A refused stem refuses its whole family: every operation whose name holds one of these
+# words, whatever comes before or after it (``_safe_softmax``, ``_softmax_backward_data``,
+# ``_scaled_dot_product_flash_attention_for_cpu``, ``_efficient_attention_forward``,
+# ``_fused_sdp_choice``).
+_SOFTMAX_FAMILY = ("softmax", "logsumexp")
+_ATTENTION_FAMILY = ("scaled_dot_product", "flash_attention", "efficient_attention",
+                     "cudnn_attention", "fused_sdp", "sdpa")
+_FAMILIES = {"softmax": _SOFTMAX_FAMILY, "log_softmax": _SOFTMAX_FAMILY,
+             "logsumexp": _SOFTMAX_FAMILY, "scaled_dot_product_attention": _ATTENTION_FAMILY}
+
+
 def _refuses(stems: frozenset, name: str) -> bool:
     stem = _stem(name)
-    return stem in stems or any(stem.startswith(s + "_") for s in stems)
+    return stem in stems or any(stem.startswith(s + "_") for s in stems) or \
+        any(word in stem for s in stems for word in _FAMILIES.get(s, ()))
 
 
 class _Functions(torch.overrides.TorchFunctionMode):
@@ -247,8 +294,11 @@ class Guard:
     Both checks are torch modes, which torch keeps per thread: they are pushed in the calling
     thread, in every thread started through ``threading`` while the guard is armed, and in
     every thread already running, the next time it runs Python code (``_visit_other_threads``).
-    What they cannot see: a thread that ``_thread`` started during the call, and a submission
-    that pops the modes off torch's stacks, which is reported when found after the call.
+    What they cannot see: a thread that ``_thread`` started during the call, a process, and a
+    submission that pops the modes off torch's stacks or hides torch's dispatch from them (an
+    excluded dispatch key), which is reported when found after the call; and a tensor answer
+    made while the guard saw no operation at all (all the work done where it cannot see) is a
+    hit of its own (``call``).
     """
 
     def __init__(self, ops=None, refused=(), package=None, allowed=(), report=None,
@@ -263,6 +313,7 @@ class Guard:
         self.allowed = frozenset((os.path.join(p, file), qualname) for p in self.packages
                                  for file, qualname in allowed)
         self.hits = []
+        self.operations_seen = 0  # in the current call
         self._settled = False  # a call of the package was seen: nothing more can change the verdict
         self._report = report
         self._local = threading.local()
@@ -320,6 +371,7 @@ class Guard:
             self._hit(name)
 
     def _check_operation(self, func) -> None:
+        self.operations_seen += 1
         if self._settled:
             return
         place = self._place()
@@ -334,9 +386,17 @@ class Guard:
             self._hit(f"{called} (it runs {op})" if called else op)
 
     def call(self, target, args, kwargs):
-        """``target(*args, **kwargs)`` under the guard (its frame ends the stack walks)."""
+        """``target(*args, **kwargs)`` under the guard (its frame ends the stack walks).
+
+        A tensor answer that is none of the arguments cannot be made without an operation: if
+        the guard saw none, torch's dispatch was hidden from it (a dispatch key excluded around
+        the work), and that is a hit."""
+        self.operations_seen = 0
         with _compile_stance(), self:
-            return target(*args, **kwargs)
+            result = target(*args, **kwargs)
+        if self.ops and self.operations_seen == 0 and _new_tensor(result, args, kwargs):
+            self._hit(UNSEEN)
+        return result
 
     def _visit(self) -> None:
         """In another thread: take off the modes of guards that are done, then (while this
@@ -396,7 +456,7 @@ class Guard:
             interrupted = bool(exc) and isinstance(exc[1], KeyboardInterrupt)
             if sys.getprofile() is not self._calls_hook and not interrupted:
                 self._hit(PROFILER_REPLACED)
-            sys.setprofile(self._previous_profile)
+            _restore_profiler(self._previous_profile)
         threading.Thread.start = self._start
         for cls, name, original in self._kernels:
             setattr(cls, name, original)
@@ -408,7 +468,26 @@ class Guard:
             functions.__exit__(None, None, None)
         else:
             self._hit(SWITCHED_OFF)
+            # whatever is left of the guard comes off, wherever it is: a mode left behind
+            # would slow every later torch call of the process (check() in a notebook, a test)
+            _take_off(operations, _dispatch_modes, _pop_dispatch_mode,
+                      torch.utils._python_dispatch._push_mode)
+            _take_off(functions, _function_modes, torch._C._pop_torch_function_stack,
+                      torch._C._push_on_torch_function_stack)
         return False
+
+
+def _take_off(mode, stack, pop, push) -> None:
+    """Take ``mode`` off ``stack()`` wherever it is in it, the modes above it kept in order."""
+    if not any(entry is mode for entry in stack()):
+        return
+    above = []
+    while stack()[-1] is not mode:
+        above.append(stack()[-1])
+        pop()
+    mode.__exit__(None, None, None)
+    for entry in reversed(above):
+        push(entry)
 
 
 def _dispatch_modes() -> list:
@@ -453,7 +532,7 @@ def _visit_other_threads(visit) -> None:
                 visit()
             threading.setprofile_all_threads(once)
             threading.setprofile(for_new_threads)
-            sys.setprofile(mine)
+            _restore_profiler(mine)
         return
     api, layout = found
     mine = sys.getprofile()
@@ -486,7 +565,20 @@ def _visit_other_threads(visit) -> None:
     except Exception:
         pass
     finally:
-        sys.setprofile(mine)
+        _restore_profiler(mine)
+
+
+def _restore_profiler(saved) -> None:
+    """Make ``saved`` (what ``sys.getprofile()`` returned) this thread's profiler again. A
+    profiler written in C, such as cProfile's that a notebook left enabled, is returned as its
+    object, which is not callable: ``sys.setprofile`` would install it as a Python function
+    that fails at the next call, so it is put back by its own C method (the base class's, never
+    a method the submission wrote)."""
+    import _lsprof
+    if isinstance(saved, _lsprof.Profiler):
+        _lsprof.Profiler.enable(saved)
+    else:
+        sys.setprofile(saved)
 
 
 def _thread_state(version: str, *middle: str):
@@ -689,8 +781,12 @@ def install(namespace: dict, hits_fd: int, token: str) -> None:
         return answer
 
     harness = type(f"CourseAttnHarness_{token}", (), {"evaluate": staticmethod(run)})
-    sys.modules[f"course_attn_harness_{token}"] = sys.modules.get(__name__) or harness
     _KEEP.append(harness)
+    # Kept alive by the interpreter's exit handlers, which Python code cannot list, rather
+    # than by a module table: nothing in sys.modules leads here (without an anchor, the
+    # harness would be a cycle of garbage once the install cell's names are deleted).
+    import atexit
+    atexit.register(_KEEP.clear)
 
 
 def answer_digest(text: str) -> str:

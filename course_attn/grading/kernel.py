@@ -23,6 +23,7 @@ import queue
 import secrets
 import shutil
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,11 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 _HARNESS_SOURCE = Path(harness.__file__).read_text(encoding="utf-8")
 _MEMORY_HINT = " (is the memory limit of {} MB too small? the kernel needs about 350 MB to " \
                "import torch)"
+# A Unix socket's address holds at most 107 bytes of path (sun_path, less its final NUL, on
+# Linux); the kernel's ipc sockets are "<connection file, less .json>-ipc-<N>".
+UNIX_SOCKET_PATH_MAX = 107
+SCRATCH_PREFIX = "course_attn_grade_"
+_SOCKET_TAIL = "/box/run/kernel-00000000-ipc-9"  # what a socket adds to its scratch folder
 _ENVIRONMENT = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "VIRTUAL_ENV", "SYSTEMROOT")
 _ENVIRONMENT_PREFIXES = ("LC_", "OPENBLAS_", "OMP_", "MKL_", "CUDA_", "NVIDIA_", "TORCH_",
                          "PYTORCH_", "TRITON_", "PYTHONHASHSEED", "PYTHONIOENCODING")
@@ -58,6 +64,17 @@ class CellRun:
     seconds: float = 0.0
     output_chars: int = 0
     value: str = ""
+
+
+def scratch_root() -> str:
+    """Where each kernel's scratch folder goes: the temporary folder (``TMPDIR``), unless its
+    path is so long that the kernel's sockets under it would not fit in a Unix socket's address;
+    then ``/tmp``."""
+    base = tempfile.gettempdir()
+    longest = len(os.fsencode(base)) + len(f"/{SCRATCH_PREFIX}xxxxxxxx{_SOCKET_TAIL}")
+    if longest > UNIX_SOCKET_PATH_MAX and os.access("/tmp", os.W_OK | os.X_OK):
+        return "/tmp"
+    return base
 
 
 def copy_package(destination: Path) -> Path:
@@ -130,12 +147,18 @@ class Kernel:
     async def start(self) -> None:
         self.limits = sandbox.TreeLimits(sandbox.cgroup_name(self.token), self.memory_mb,
                                          tree=self.sandboxed)
+        connection_file = self.rundir / f"kernel-{secrets.token_hex(4)}.json"
+        socket = f"{connection_file.with_suffix('')}-ipc-9"
+        if len(os.fsencode(socket)) > UNIX_SOCKET_PATH_MAX:
+            raise GraderError(
+                f"could not start a {KERNEL_NAME} kernel: the path of its sockets, {socket}, is "
+                f"{len(os.fsencode(socket))} bytes, more than the {UNIX_SOCKET_PATH_MAX} a Unix "
+                "socket's address holds: set TMPDIR to a folder with a shorter path")
         read, write = os.pipe()
         os.set_blocking(read, False)
         self._hits_fd, self._hits_buffer = read, b""
-        self.km = _SandboxedKernelManager(
-            kernel_name=KERNEL_NAME, transport="ipc",
-            connection_file=str(self.rundir / f"kernel-{secrets.token_hex(4)}.json"))
+        self.km = _SandboxedKernelManager(kernel_name=KERNEL_NAME, transport="ipc",
+                                          connection_file=str(connection_file))
         if self.sandboxed:
             self.km.prefix = self._sandbox_prefix()
         log = open(self.scratch / "kernel.log", "ab")

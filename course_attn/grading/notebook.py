@@ -2,13 +2,18 @@
 memory; bytes -> nbformat 4 (older versions converted), or the reason it is not one; and which
 chapter it belongs to. The student's files are only ever read."""
 
+import errno
 import hashlib
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
+
+from .cells import grade_id
 
 
 def shorten(text: str, limit: int = 200) -> str:
@@ -23,10 +28,23 @@ def chapter_from_name(path: Path | str) -> str | None:
     return f"ch{int(match.group(1)):02d}" if match else None
 
 
+def chapter_from_grade_ids(nb) -> str | None:
+    """The one chapter that the cells' grade_ids name (``ch02-scores-solution`` -> ``"ch02"``),
+    or None when they name none or several: a copy whose notebook metadata was dropped (a
+    "Copy of 02_….ipynb") still says, cell by cell, which chapter it is."""
+    named = {match.group(1) for cell in nb.cells
+             if (match := re.match(r"(ch\d\d)-", grade_id(cell) or "")) is not None}
+    return named.pop() if len(named) == 1 else None
+
+
 def chapter_of(nb, path: Path | str) -> str | None:
+    """Which chapter ``nb`` (read from ``path``) is: its ``course_attn.chapter`` metadata, else
+    the chapter its grade_ids name, else its file name's ``NN_`` prefix."""
     meta = nb.metadata.get("course_attn") if nb is not None else None
     chapter = meta.get("chapter") if isinstance(meta, dict) else None
-    return chapter if isinstance(chapter, str) and chapter else chapter_from_name(path)
+    if isinstance(chapter, str) and chapter:
+        return chapter
+    return (chapter_from_grade_ids(nb) if nb is not None else None) or chapter_from_name(path)
 
 
 @dataclass
@@ -129,13 +147,23 @@ def read_submission(path: Path, student: str | None = None, *,
     the Python files beside it."""
     submission = Submission(path, student)
     try:
-        size = path.stat().st_size
-        if size > MAX_SUBMISSION_BYTES:
-            submission.problem = (f"not graded: the file has {size:,} bytes, more than the "
-                                  f"{MAX_SUBMISSION_BYTES:,} a notebook may have")
-            return submission
-        submission.data = path.read_bytes()
+        # O_NOFOLLOW: a link is refused, not followed (to a classmate's file, or the solutions)
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as file:
+            info = os.fstat(file.fileno())
+            size = info.st_size
+            if not stat.S_ISREG(info.st_mode):
+                submission.problem = "not graded: not a regular file"
+                return submission
+            if size > MAX_SUBMISSION_BYTES:
+                submission.problem = (f"not graded: the file has {size:,} bytes, more than the "
+                                      f"{MAX_SUBMISSION_BYTES:,} a notebook may have")
+                return submission
+            submission.data = file.read(MAX_SUBMISSION_BYTES + 1)
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            submission.problem = ("not graded: the file is a symbolic link; submit the notebook "
+                                  "itself")
+            return submission
         submission.problem = f"could not read the file: {error.strerror or error}"
         return submission
     submission.sha256 = hashlib.sha256(submission.data).hexdigest()

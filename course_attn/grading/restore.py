@@ -48,7 +48,8 @@ class Restored:
 def restore_protected_cells(nb, canonical: Canonical) -> Restored:
     """Put the canonical grade and locked cells back into ``nb`` (in place), by grade_id.
 
-    A check cell whose nbgrader metadata was removed is found by its source instead; a deleted
+    A check or locked cell whose nbgrader metadata was removed is found by its source instead,
+    without a flag (and so is not read as the student's code); a deleted
     locked cell (the setup) is put back before the next protected cell; a deleted check cell is
     not (that exercise scores 0). Flags name cells by their number in the student's file.
     """
@@ -72,17 +73,18 @@ def restore_protected_cells(nb, canonical: Canonical) -> Restored:
                          f"({_grading_fields(cell)}); the original was run")
         nb.cells[index] = _fresh_copy(original)
         placed[gid] = index
-    for exercise in canonical.exercises:
-        if exercise.grade_id in placed:
+    for gid, original in canonical.protected.items():  # the course's cells, by what they hold
+        if gid in placed:
             continue
         for index, cell in enumerate(nb.cells):
             if (cell.cell_type == "code" and grade_id(cell) not in canonical.protected
                     and index not in placed.values()
-                    and _same_source(cell.source, canonical.given[exercise.grade_id].source)):
-                flags.append(f"check cell {exercise.grade_id} (cell {index + 1}) lost its nbgrader "
-                             "metadata; it was recognised by its source")
-                nb.cells[index] = _fresh_copy(canonical.protected[exercise.grade_id])
-                placed[exercise.grade_id] = index
+                    and (_same_source(cell.source, canonical.given[gid].source)
+                         or _same_source(cell.source, original.source))):
+                # no flag: an editor that drops cell metadata (a "Copy of" in Colab) is not
+                # the student's doing, and the cell runs as the course wrote it
+                nb.cells[index] = _fresh_copy(original)
+                placed[gid] = index
                 break
     numbers: list[int | None] = list(range(1, len(nb.cells) + 1))
     order = list(canonical.protected)

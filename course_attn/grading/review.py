@@ -15,6 +15,12 @@ import io
 import re
 import tokenize
 
+# Dunder attributes that honest code reads (``type(x).__name__``, ``super().__init__()``);
+# any other (``f.__globals__``, ``f.__closure__``, ``obj.__dict__``) is a sign.
+_PLAIN_DUNDERS = ("name", "qualname", "doc", "module", "version", "file", "class", "init",
+                  "call", "repr", "str", "len", "iter", "next", "enter", "exit", "getitem",
+                  "setitem", "contains", "eq", "hash", "post_init", "annotations")
+
 # (pattern over the code's names and attributes, what to tell the reviewer)
 _SIGNS = (
     (r"\bsys\s*\.\s*_getframe\b|\bsys\s*\.\s*_current_frames\b|"
@@ -46,6 +52,20 @@ _SIGNS = (
     (r"__subclasses__|__builtins__|\bbuiltins\b|co_filename|CodeType|\.__code__\s*=",
      "rewrites or searches Python's own objects (builtins, code objects, __subclasses__)"),
     (r"\b_thread\s*\.\s*start_new", "starts a thread that no check follows (_thread)"),
+    # code that no scan can read: a string run as code, a module or attribute named at run time
+    (r"(?<!\.)(?<!\.\s)\b(exec|eval|compile)\s*\(|\b__import__\b|\bimportlib\b",
+     "runs code built at run time (exec, eval, compile, __import__, importlib)"),
+    (r"\b(getattr|setattr|delattr)\s*\([^,]*,\s*[^\s,)]",
+     "reaches an attribute by a name computed at run time (getattr, setattr, delattr)"),
+    (r"\.\s*__(?!(?:" + "|".join(_PLAIN_DUNDERS) + r")__)\w+__",
+     "reads Python's internals through a dunder attribute (__globals__, __closure__, __dict__)"),
+    (r"(?<!\bin )\bsys\s*\.\s*modules\b|\btorch\s*\.\s*_C\b|\bDispatchKey(Set)?\b|"
+     r"_(Exclude|Include)DispatchKeyGuard|\b_dispatch_tls",
+     "reaches the module table or torch's C core (sys.modules, torch._C, dispatch keys)"),
+    # ("google.colab" in sys.modules, the Colab cell's test, only asks)
+    (r"\bmultiprocessing\b|\bsubprocess\b|\bProcessPoolExecutor\b|\bpty\b|"
+     r"\bos\s*\.\s*(fork\w*|system|popen|exec\w*|spawn\w*|posix_spawn\w*)\b",
+     "starts another process (multiprocessing, subprocess, os.fork, os.system)"),
 )
 _COMPILED = tuple((re.compile(pattern), why) for pattern, why in _SIGNS)
 
@@ -65,16 +85,22 @@ def _code_only(source: str) -> str:
     return " ".join(kept)
 
 
-def review_flags(nb, label, protected=frozenset()) -> list[str]:
-    """One flag per kind of sign, naming the cells it is in (``label(index)`` names a cell);
-    the cells at ``protected`` indices (the course's own, put back) are not read."""
+def review_flags(nb, label, protected=frozenset(), helpers=None) -> list[str]:
+    """One flag per kind of sign, naming the cells and files it is in (``label(index)`` names
+    a cell); the cells at ``protected`` indices (the course's own, put back) are not read;
+    ``helpers`` (file name -> bytes: the Python files beside the notebook, which its code can
+    import) are read as its cells are."""
     found: dict[str, list[str]] = {}
-    for index, cell in enumerate(nb.cells):
-        if index in protected or cell.cell_type != "code" or not cell.source.strip():
+    sources = [(label(index), cell.source) for index, cell in enumerate(nb.cells)
+               if index not in protected and cell.cell_type == "code"]
+    sources += [(name, data.decode("utf-8", errors="replace"))
+                for name, data in sorted((helpers or {}).items())]
+    for where, source in sources:
+        if not source.strip():
             continue
-        code = _code_only(cell.source)
+        code = _code_only(source)
         for pattern, why in _COMPILED:
             if pattern.search(code):
-                found.setdefault(why, []).append(label(index))
+                found.setdefault(why, []).append(where)
     return [f"for review (no points lost): {', '.join(cells)} {why}"
             for why, cells in found.items()]

@@ -55,7 +55,10 @@ def python_folders() -> list[str]:
 
 
 def _outermost(paths) -> list[str]:
-    """The paths with every one that lies inside another dropped."""
+    """The paths, each as written and as its links resolve, with every one that lies inside
+    another dropped (a symlinked virtual environment needs both: the link's path is the one its
+    interpreter is called by)."""
+    paths = list(paths)  # read twice below: a generator would give its paths once
     kept: list[str] = []
     for path in sorted({os.path.realpath(p) for p in paths} | {os.path.abspath(p) for p in paths},
                        key=len):
