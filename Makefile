@@ -14,8 +14,6 @@ WORK   := work
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 # More options for `make lab`, e.g. LAB_ARGS="--no-browser --port=8899".
 LAB_ARGS ?=
-# `make test`'s pytest-xdist workers: two fit this course's 2-core CI machine.
-TEST_WORKERS ?= 2
 # `make gpu-check` installs nothing: a lent GPU machine has its own torch and no internet.
 GPU_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
@@ -40,10 +38,9 @@ help:
 
 ## every test: the package, the grader, nbval over book/, exercises/, solutions/, and the built
 ## book in a browser -- so the book is built first (after one build, only changed notebooks run);
-## on TEST_WORKERS processes (default 2), then the ten slowest tests
+## it ends with the ten slowest tests
 test: book
-	$(PY) -m pytest tests book exercises solutions --nbval-lax --nbval-current-env \
-	  -n $(TEST_WORKERS) --dist loadgroup --durations=10
+	$(PY) -m pytest tests book exercises solutions --nbval-lax --nbval-current-env --durations=10
 
 ## the Jupyter Book in _build/html, every notebook executed, warnings as errors
 book: $(STAMP)
