@@ -84,9 +84,8 @@ def _numpy_number(value):
     numpy = sys.modules.get("numpy")  # a numpy value means numpy was imported
     if numpy is None:
         return None
-    kinds = (numpy.bool_, numpy.integer, numpy.floating)
-    if type(value).__module__ == "numpy" and isinstance(value, kinds) and \
-            type(value) in numpy.sctypeDict.values():
+    if type(value) in numpy.sctypeDict.values() and \
+            issubclass(type(value), (numpy.bool_, numpy.integer, numpy.floating)):
         return numpy.generic.item(value)
     if type(value) is numpy.ndarray and value.ndim == 0 and value.dtype.kind in "biuf":
         return numpy.ndarray.item(value)
@@ -180,7 +179,9 @@ def _new_tensor(result, args, kwargs) -> bool:
         values = list(dict.values(result))
     else:
         values = [result]
-    return any(isinstance(value, torch.Tensor) and id(value) not in given for value in values)
+    # issubclass of the type, not isinstance: isinstance may read a submission's __class__
+    return any(issubclass(type(value), torch.Tensor) and id(value) not in given
+               for value in values)
 
 
 def function_name(func) -> str:
