@@ -296,6 +296,9 @@ def in_a_new_thread():
     thread.join()
 
 
+# The pool's thread outlives the call: the guard's end takes its modes off, and the thread's own
+# end must not try again ("trying to pop from empty mode stack" in that thread).
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_thread_started_during_the_call_is_guarded():
     assert guarded(in_a_new_thread)[0] == "torch.softmax"
     with ThreadPoolExecutor(max_workers=1) as pool:  # its thread starts during the call
@@ -324,6 +327,26 @@ def test_a_recursion_error_the_student_catches_is_nothing():
         except RecursionError:
             pass
     assert guarded(recurse) == []
+
+
+def test_a_tensor_made_where_the_guard_saw_nothing_is_a_hit_and_a_cached_one_is_not():
+    """Issue 30: a tensor answer made with torch's dispatch hidden from the guard is a hit; one
+    that a cache or a table made before the call, returned again with no operation, is not (an
+    honest lru_cache scored 0 whenever two hidden cases asked for the same sizes)."""
+    from torch._C import DispatchKey, DispatchKeySet, _ExcludeDispatchKeyGuard
+
+    def hidden(*shape):
+        with _ExcludeDispatchKeyGuard(DispatchKeySet(DispatchKey.Python)):
+            return torch.ones(*shape).tril()
+
+    assert guarded(lambda: hidden(3, 3)) == [harness.UNSEEN]
+    assert guarded(lambda: (hidden(3, 3), 1)) == [harness.UNSEEN]
+    cached = functools.lru_cache(maxsize=None)(lambda n: torch.ones(n, n).tril())
+    table = {3: torch.ones(3, 3).tril()}
+    cached(3)
+    for answer in (lambda: cached(3), lambda: table[3], lambda: (table[3], 1),
+                   lambda: {"mask": table[3]}):
+        assert guarded(answer) == [], answer
 
 
 def test_the_refused_function_itself_as_the_answer_is_a_hit():

@@ -169,9 +169,16 @@ UNSEEN = "a tensor computed where the guard saw no operation at all (torch's dis
 _ALLOWED = object()  # what ``Guard._place`` answers inside an allowed function
 
 
+# The references to a tensor answer that nothing else holds, as _new_tensor counts them: the
+# answer's container (or, for a bare tensor, the names `result` in Guard.call and here),
+# `values`, `value` and getrefcount's own argument.
+_UNHELD_IN_A_CONTAINER = 4
+
+
 def _new_tensor(result, args, kwargs) -> bool:
-    """Whether ``result`` is, or holds at its top level, a tensor that is none of the
-    arguments."""
+    """Whether ``result`` is, or holds at its top level, a tensor that is none of the arguments
+    and that nothing but the answer holds: a tensor kept elsewhere (a cache, a table made
+    before the call) may well have been made before the call, with no operation in it."""
     given = {id(value) for value in (*args, *kwargs.values())}
     if type(result) in (list, tuple):
         values = list(result)
@@ -179,9 +186,12 @@ def _new_tensor(result, args, kwargs) -> bool:
         values = list(dict.values(result))
     else:
         values = [result]
-    # issubclass of the type, not isinstance: isinstance may read a submission's __class__
-    return any(issubclass(type(value), torch.Tensor) and id(value) not in given
-               for value in values)
+    for value in values:
+        # issubclass of the type, not isinstance: isinstance may read a submission's __class__
+        if issubclass(type(value), torch.Tensor) and id(value) not in given and \
+                sys.getrefcount(value) <= _UNHELD_IN_A_CONTAINER + (value is result):
+            return True
+    return False
 
 
 def function_name(func) -> str:
@@ -437,8 +447,15 @@ class Guard:
 
             def guarded_run():
                 functions, operations = _Functions(guard), _Operations(guard)
-                with functions, operations:
+                functions.__enter__()
+                operations.__enter__()
+                try:
                     run()
+                finally:  # the guard's end may have taken them off already (_visit)
+                    _take_off(operations, _dispatch_modes, _pop_dispatch_mode,
+                              torch.utils._python_dispatch._push_mode)
+                    _take_off(functions, _function_modes, torch._C._pop_torch_function_stack,
+                              torch._C._push_on_torch_function_stack)
             thread.run = guarded_run
             return guard._start(thread, *a, **k)
         threading.Thread.start = start
