@@ -397,7 +397,10 @@ def stable_softmax(x, dim=-1):
 
 SOFTMAX_IN_A_POOL_STARTED_BEFORE = '''import multiprocessing
 
-POOL = multiprocessing.get_context("fork").Pool(1)   # forked before any graded call
+# forked before any graded call; one thread in the child, for OpenMP's pool does not survive
+# a fork (a large enough input would hang the child, and the attack end at the time limit)
+POOL = multiprocessing.get_context("fork").Pool(1, initializer=torch.set_num_threads,
+                                                initargs=(1,))
 
 def stable_softmax(x, dim=-1):
     return POOL.apply(torch.softmax, (x, dim))
