@@ -40,7 +40,8 @@ help:
 ## book in a browser -- so the book is built first (after one build, only changed notebooks run);
 ## it ends with the ten slowest tests
 test: book
-	$(PY) -m pytest tests book exercises solutions --nbval-lax --nbval-current-env --durations=10
+	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder \
+	  tests book exercises solutions --nbval-lax --nbval-current-env --durations=10
 
 ## the Jupyter Book in _build/html, every notebook executed, warnings as errors
 book: $(STAMP)

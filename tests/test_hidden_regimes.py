@@ -62,13 +62,16 @@ def test_every_seed_draws_every_regime_and_an_answer_wrong_in_one_regime_fails(k
     exercise, regimes = EXERCISES[key], hidden_regimes(key)
     for seed in SEEDS:
         cases = hidden_cases(key, seed)
+        caught = {}  # case's index -> whether the changed answer fails it (a case may lie in
+        # several regimes: judged once)
         for name, inside in regimes.items():
-            chosen = [case for case in cases if inside(case)]
+            chosen = [i for i, case in enumerate(cases) if inside(case)]
             assert chosen, f"{key}: seed {seed} draws no hidden case in the regime {name!r}"
-            results = []
-            for case in chosen:
-                expected = exercise.expected(case)
-                wrong = Answer(value=changed(expected, getattr(case, "part", "")))
-                results.append(judge_case(exercise, case, expected, wrong, hidden=True))
-            assert not all(r.passed for r in results), \
+            for i in chosen:
+                if i not in caught:
+                    expected = exercise.expected(cases[i])
+                    wrong = Answer(value=changed(expected, getattr(cases[i], "part", "")))
+                    caught[i] = not judge_case(exercise, cases[i], expected, wrong,
+                                               hidden=True).passed
+            assert any(caught[i] for i in chosen), \
                 f"{key}: an answer wrong in the regime {name!r} passes seed {seed}"
