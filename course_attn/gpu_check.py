@@ -155,9 +155,8 @@ def summarise(part: Part, out: Path) -> str:
     if part.junit and (out / part.junit).exists():
         return junit_counts(out / part.junit)
     if part.figures and (out / part.figures).exists():
-        try:
-            data = json.loads((out / part.figures).read_text())
-        except ValueError:
+        data = _read_figures(part, out)
+        if data is None:
             return f"{part.figures} is not JSON"
         if part.name == "grader":
             return "; ".join(
@@ -198,20 +197,22 @@ def run_check(parts: list[Part], out: Path, *, cuda: bool,
     report = {"hardware": hardware("cuda" if cuda else "cpu"),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "seconds": round(time.monotonic() - start, 1), "parts": results,
-              "figures": {part.name: json.loads((out / part.figures).read_text())
-                          for part in parts if part.figures and (out / part.figures).exists()
-                          and _is_json(out / part.figures)}}
+              "figures": {part.name: figures for part in parts
+                          if (figures := _read_figures(part, out)) is not None}}
     (out / "gpu-report.json").write_text(json.dumps(report, indent=2))
     (out / "gpu-report.md").write_text(markdown(report))
     return report
 
 
-def _is_json(path: Path) -> bool:
+def _read_figures(part: Part, out: Path) -> dict | None:
+    """The JSON file of figures that ``part`` wrote, or None (it has none, wrote none, or wrote
+    something that is not JSON)."""
+    if not part.figures or not (out / part.figures).exists():
+        return None
     try:
-        json.loads(path.read_text())
-        return True
+        return json.loads((out / part.figures).read_text())
     except ValueError:
-        return False
+        return None
 
 
 def markdown(report: dict) -> str:
@@ -226,12 +227,13 @@ def markdown(report: dict) -> str:
                      f"of {r['budget_s']} | {r['summary']} |")
     bench = report["figures"].get("bench", {}).get("rows", [])
     if bench:
+        names = bench_names(bench)
         lines += ["", "## TFLOP/s, bf16 "
                   f"(B = {BENCH_BATCH}, H = {BENCH_HEADS}; forward; median of interleaved calls)",
-                  "", "| D | causal | T | " + " | ".join(bench_names(bench)) + " |",
-                  "|---|---|---|" + "---|" * len(bench_names(bench))]
+                  "", "| D | causal | T | " + " | ".join(names) + " |",
+                  "|---|---|---|" + "---|" * len(names)]
         for key, row in group_bench(bench).items():
-            cells = [_tflops(row.get(name)) for name in bench_names(bench)]
+            cells = [_tflops(row.get(name)) for name in names]
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
     lines += ["", "## Commands", ""]
     for r in report["parts"]:

@@ -68,7 +68,6 @@ def require_dtype():
     return require
 
 
-
 @pytest.fixture(autouse=True)
 def no_torch_mode_left_behind():
     """Each test leaves torch's mode stacks as it found them: a mode left on a stack (a

@@ -452,10 +452,7 @@ class Guard:
                 try:
                     run()
                 finally:  # the guard's end may have taken them off already (_visit)
-                    _take_off(operations, _dispatch_modes, _pop_dispatch_mode,
-                              torch.utils._python_dispatch._push_mode)
-                    _take_off(functions, _function_modes, torch._C._pop_torch_function_stack,
-                              torch._C._push_on_torch_function_stack)
+                    _take_off(functions, operations)
             thread.run = guarded_run
             return guard._start(thread, *a, **k)
         threading.Thread.start = start
@@ -480,32 +477,30 @@ class Guard:
             setattr(cls, name, original)
         _visit_other_threads(self._visit)  # each takes this guard's modes off again
         functions, operations = self._modes
-        on_top = _top_dispatch_mode() is operations and _top_function_mode() is functions
-        if on_top:
-            operations.__exit__(None, None, None)
-            functions.__exit__(None, None, None)
-        else:
+        if _top_dispatch_mode() is not operations or _top_function_mode() is not functions:
             self._hit(SWITCHED_OFF)
-            # whatever is left of the guard comes off, wherever it is: a mode left behind
-            # would slow every later torch call of the process (check() in a notebook, a test)
-            _take_off(operations, _dispatch_modes, _pop_dispatch_mode,
-                      torch.utils._python_dispatch._push_mode)
-            _take_off(functions, _function_modes, torch._C._pop_torch_function_stack,
-                      torch._C._push_on_torch_function_stack)
+        _take_off(functions, operations)
         return False
 
 
-def _take_off(mode, stack, pop, push) -> None:
-    """Take ``mode`` off ``stack()`` wherever it is in it, the modes above it kept in order."""
-    if not any(entry is mode for entry in stack()):
-        return
-    above = []
-    while stack()[-1] is not mode:
-        above.append(stack()[-1])
-        pop()
-    mode.__exit__(None, None, None)
-    for entry in reversed(above):
-        push(entry)
+def _take_off(functions, operations) -> None:
+    """Take a guard's two modes off torch's stacks, wherever they are in them (the modes above
+    kept in order), and only if they are still there: a mode left behind would slow every later
+    torch call of the process (check() in a notebook, a test)."""
+    for mode, stack, pop, push in (
+            (operations, _dispatch_modes, _pop_dispatch_mode,
+             torch.utils._python_dispatch._push_mode),
+            (functions, _function_modes, torch._C._pop_torch_function_stack,
+             torch._C._push_on_torch_function_stack)):
+        if not any(entry is mode for entry in stack()):
+            continue
+        above = []
+        while stack()[-1] is not mode:
+            above.append(stack()[-1])
+            pop()
+        mode.__exit__(None, None, None)
+        for entry in reversed(above):
+            push(entry)
 
 
 def _dispatch_modes() -> list:
