@@ -19,8 +19,6 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-import nbformat
-
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "# Running in Google Colab?"
 FOLDERS = ("book", "solutions", "exercises")
@@ -106,6 +104,10 @@ def has_colab_cell(nb) -> bool:
 
 def stamp(path: Path, source: str) -> bool:
     """Make ``source`` the first cell of the notebook at ``path``; True if the file changed."""
+    # imported here: a graded kernel imports this module (check() tells where the grader runs),
+    # and nbformat's schema validators cost it a second per notebook graded
+    import nbformat
+
     nb = nbformat.read(path, as_version=4)
     if has_colab_cell(nb):
         if nb.cells[0].source == source:

@@ -85,3 +85,15 @@ def test_the_benchmarks_time_with_the_timing_module_not_with_each_other():
     for bench in ("course_attn.decode_bench", "course_attn.linear_bench"):
         assert "course_attn.timing" in graph[bench]
         assert "course_attn.bench" not in graph[bench]
+
+
+def test_a_graded_kernel_imports_no_notebook_tooling():
+    """Every graded notebook's kernel imports ``course_attn.grading`` (the harness, ``check()``);
+    nbformat's schema validators (jsonschema, its URI grammars) would cost each one a second."""
+    import subprocess
+    import sys
+    code = ("import sys, course_attn.grading.harness, course_attn.grading; "
+            "print(sorted(m for m in ('nbformat', 'jsonschema') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=PACKAGE.parent, check=True)
+    assert done.stdout.strip() == "[]"
