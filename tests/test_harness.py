@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -383,6 +384,34 @@ def test_a_compiled_function_runs_uncompiled_under_the_guard():
     assert guarded(lambda: halve(X)) == []
     assert time.monotonic() - started < 10  # no compile happened
 
+
+
+GUARD_AFTER_DYNAMO_DISABLE_IS_REPLACED = """
+import sys, torch
+from course_attn.grading.harness import Guard
+from course_attn.grading.operations import ELEMENTARY
+if sys.argv[1] == "replace":  # what torch would wrap a mode's __torch_dispatch__ in
+    import torch._dynamo
+    torch._dynamo.disable = lambda fn, *a, **k: (
+        lambda mode, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})))
+hits = []
+with Guard(sorted(ELEMENTARY), [], None, [], hits.append, []):
+    torch.nn.functional.cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long))
+print(hits[:1], "torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("before", ["replace", "nothing"])
+def test_the_guard_needs_nothing_of_the_compiler(before):
+    """A fresh process: the guard sees the operations whatever ``torch._dynamo.disable`` was
+    made to be before its first use, and does not import the compiler (a second per kernel)."""
+    import subprocess
+    done = subprocess.run([sys.executable, "-c", GUARD_AFTER_DYNAMO_DISABLE_IS_REPLACED, before],
+                          capture_output=True, text=True, check=True,
+                          cwd=Path(course_attn.__file__).parents[1])
+    assert done.stdout.split("] ")[0] == \
+        "['torch.nn.functional.cross_entropy (it runs aten._log_softmax)'"
+    assert done.stdout.strip().endswith(str(before == "replace"))
 
 # --- evaluate(): a request in, an answer out ---------------------------------------------------
 
