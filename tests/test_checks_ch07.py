@@ -64,10 +64,7 @@ def cache_questions(layers, heads, kv_heads, head_dim, bytes_per_element, query_
 
 def grouped_attention(q, k, v):
     b, h, tq, d = q.shape
-    hkv = k.shape[1]
-    q = q.reshape(b, hkv, h // hkv, tq, d)
-    k, v = k[:, :, None], v[:, :, None]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d)
+    scores = q.reshape(b, k.shape[1], -1, d) @ k.transpose(-2, -1) / math.sqrt(d)
     return (scores.softmax(dim=-1) @ v).reshape(b, h, tq, -1)
 
 
@@ -424,19 +421,59 @@ def test_the_given_buggy_function_is_told_what_it_still_does_wrong():
     assert found["MQA: H=4, one KV head"].passed and found["MHA: H = Hkv = 3"].passed
 
 
-def test_grouped_attention_half_repair_is_named_by_its_error():
-    def half(q, k, v):
+def test_grouped_attention_half_repairs_are_named_by_what_they_still_tile():
+    def stacked(q, k, v, tiled_queries, tiled_output):
         b, h, tq, d = q.shape
         hkv = k.shape[1]
-        q = q.reshape(b, hkv, h // hkv, tq, d)
-        k, v = k.unsqueeze(1), v.unsqueeze(1)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(d)
-        return (scores.softmax(dim=-1) @ v).reshape(b, h, tq, -1)
-    # groups of 3 on 2 KV heads: it raises, and the error names the mistake
-    assert_fails(GROUPED, half, "H=6, Hkv=2 (groups of 3), T=4, D=4",
-                 hint="still broadcast along the other axis", message="RuntimeError")
-    # groups of 2 on 2 KV heads: it runs, and tiles
-    assert_fails(GROUPED, half, "B=2, H=4, Hkv=2, T=5, D=8", hint="as if the KV heads")
+        if tiled_queries:
+            q = q.reshape(b, h // hkv, hkv, tq, d).transpose(1, 2)
+        out = (q.reshape(b, hkv, -1, d) @ k.transpose(-2, -1) / math.sqrt(d)).softmax(-1) @ v
+        if tiled_output:
+            out = out.reshape(b, hkv, h // hkv, tq, -1).transpose(1, 2)
+        return out.reshape(b, h, tq, -1)
+    for case in ("B=2, H=4, Hkv=2, T=5, D=8", "H=6, Hkv=2 (groups of 3), T=4, D=4"):
+        assert_fails(GROUPED, lambda q, k, v: stacked(q, k, v, False, True), case,
+                     hint="put back in the tiled order")
+        assert_fails(GROUPED, lambda q, k, v: stacked(q, k, v, True, False), case,
+                     hint="were stacked tiled")
+    assert run_exercise(get(GROUPED), lambda q, k, v: stacked(q, k, v, False, False)).passed
+
+
+def test_grouped_attention_that_copies_k_and_v_scores_0_naming_the_copy():
+    """Right outputs, but K and V copied: by repeat_kv's expand and reshape, by a matmul that
+    broadcasts them over a group axis (the repair a student writes after chapter 4's
+    broadcasting), by indexing the heads, or head by head."""
+    def expand_reshape(q, k, v):
+        n = q.shape[1] // k.shape[1]
+
+        def repeat(x):
+            return x[:, :, None].expand(-1, -1, n, -1, -1).flatten(1, 2)
+        return attend(q, repeat(k), repeat(v))
+
+    def broadcast(q, k, v):
+        b, h, tq, d = q.shape
+        q = q.reshape(b, k.shape[1], -1, tq, d)
+        k, v = k[:, :, None], v[:, :, None]
+        return ((q @ k.transpose(-2, -1) / math.sqrt(d)).softmax(-1) @ v).reshape(b, h, tq, -1)
+
+    def indexed(q, k, v):
+        heads = torch.arange(q.shape[1]) * k.shape[1] // q.shape[1]
+        return attend(q, k[:, heads], v[:, heads])
+
+    def per_head(q, k, v):
+        n = q.shape[1] // k.shape[1]
+        return torch.stack([attend(q[:, h], k[:, h // n].clone(), v[:, h // n])
+                            for h in range(q.shape[1])], dim=1)
+
+    for fn, how in ((expand_reshape, "torch.Tensor.flatten (it runs aten.clone)"),
+                    (broadcast, "torch.Tensor.matmul (it runs aten.clone)"),
+                    (indexed, "torch.Tensor.__getitem__ (it runs aten.index)"),
+                    (per_head, "torch.Tensor.clone (it runs aten.clone)")):
+        judgement = run_exercise(get(GROUPED), fn)
+        assert all(r.passed for r in judgement.results), fn.__name__  # the outputs are right
+        assert judgement.credit() == 0 and f"a copy of k: {how}" in judgement.reason(), \
+            (fn.__name__, judgement.reason())
+        assert "views are free" in judgement.reason()
 
 
 def test_grouped_attention_may_not_call_a_library_attention_nor_copy_by_repeat():

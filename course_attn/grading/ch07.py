@@ -177,10 +177,13 @@ register(Exercise(
 
 # --- ch07.grouped_attention: debug a GQA that groups the query heads in the wrong order -----------
 # The given function (the notebook's locked cell, the same code as _grouped_given) avoids
-# repeat_kv's copies the way enable_gqa does: it folds the query heads into groups and lets the
-# shared K and V broadcast over them. But it splits the H query heads as (H / Hkv, Hkv), so query
-# head h lands in column h % Hkv and reads KV head h % Hkv: the heads are tiled, not grouped. It
-# is right for MQA (Hkv = 1) and MHA (Hkv = H), wrong for every other GQA.
+# repeat_kv's copies the way a fused kernel does: it stacks the query heads that share a KV head
+# along the query axis, so one matrix product per KV head reads that head's keys once. But it
+# splits the H query heads as (H / Hkv, Hkv), so query head h lands in KV head h % Hkv's stack:
+# the heads are tiled, not grouped. It is right for MQA (Hkv = 1) and MHA (Hkv = H), wrong for
+# every other GQA. A repair that broadcasts K and V over a group axis instead (q @ k[:, :, None])
+# copies them: torch.matmul makes a broadcast operand contiguous (aten.clone) before its bmm. The
+# guard counts what the call copies of k and v (``no_copy``).
 
 GROUPED_GIVEN = '''\
 def grouped_attention(q, k, v):
@@ -190,10 +193,11 @@ def grouped_attention(q, k, v):
     """
     b, h, tq, d = q.shape
     hkv = k.shape[1]
-    q = q.reshape(b, h // hkv, hkv, tq, d)          # the query heads, in groups
-    k, v = k[:, None], v[:, None]                   # (B, 1, Hkv, Tk, ·): broadcast, no copy
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d)
-    out = scores.softmax(dim=-1) @ v                # (B, H / Hkv, Hkv, Tq, Dv)
+    # each KV head's query heads, stacked along the query axis: (B, Hkv, H / Hkv · Tq, D)
+    q = q.reshape(b, h // hkv, hkv, tq, d).transpose(1, 2).reshape(b, hkv, -1, d)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d)     # each KV head read once, where it is
+    out = scores.softmax(dim=-1) @ v                    # (B, Hkv, H / Hkv · Tq, Dv)
+    out = out.reshape(b, hkv, h // hkv, tq, -1).transpose(1, 2)
     return out.reshape(b, h, tq, -1)
 '''
 
@@ -203,10 +207,19 @@ _grouped_given = _given["grouped_attention"]
 
 
 def _grouped_half_repaired(q, k, v):
+    """The queries stacked in their groups, the output's heads put back tiled."""
     b, h, tq, d = q.shape
     hkv = k.shape[1]
-    q = q.reshape(b, hkv, h // hkv, tq, d)
-    k, v = k[:, None], v[:, None]
+    scores = q.reshape(b, hkv, -1, d) @ k.transpose(-2, -1) / math.sqrt(d)
+    out = (scores.softmax(dim=-1) @ v).reshape(b, hkv, h // hkv, tq, -1).transpose(1, 2)
+    return out.reshape(b, h, tq, -1)
+
+
+def _grouped_tiled_queries(q, k, v):
+    """The queries stacked tiled, the output's heads read back in groups."""
+    b, h, tq, d = q.shape
+    hkv = k.shape[1]
+    q = q.reshape(b, h // hkv, hkv, tq, d).transpose(1, 2).reshape(b, hkv, -1, d)
     scores = q @ k.transpose(-2, -1) / math.sqrt(d)
     return (scores.softmax(dim=-1) @ v).reshape(b, h, tq, -1)
 
@@ -248,16 +261,17 @@ register(Exercise(
     task="debug",
     ops=ELEMENTARY | SOFTMAX,
     cases=_grouped_cases, compare=expect_tensor,
-    # the point of the given function is to broadcast the shared heads, not to copy them
+    # the point of the given function is to read the shared heads where they are, not to copy
+    # them: what the call copies of k and v is counted (harness.Guard's no_copy)
     banned=NO_LIBRARY_ATTENTION + NO_REPEAT_INTERLEAVE[1:] + ("torch.Tensor.repeat",),
+    no_copy=((1, "k"), (2, "v")),
     mistakes=(
         Mistake(TILED_GROUPS, _grouped_given),
-        # Half repaired: the queries split as (Hkv, H / Hkv), K and V still broadcast over the
-        # first axis. Where H / Hkv = Hkv it runs and tiles (the mistake above); elsewhere it
-        # raises, and is named by its error.
-        Mistake("you split the query heads into Hkv groups of neighbours, but the keys and "
-                "values still broadcast along the other axis: each KV head's axis must line up "
-                "with its group's axis", _grouped_half_repaired),
+        Mistake("your query heads are stacked in their groups, but the output's heads are put "
+                "back in the tiled order: query head h's output lands at another head's place",
+                _grouped_half_repaired),
+        Mistake("your output's heads are read back in groups, but the query heads were stacked "
+                "tiled: each group's stack holds the wrong query heads", _grouped_tiled_queries),
     ),
 ))
 

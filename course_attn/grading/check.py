@@ -33,7 +33,8 @@ def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = Tru
     options = guard_options(exercise, PACKAGE_DIR, imports=False)
     guard = Guard(options["ops"], options["refused"], options["package"],
                   [tuple(item) for item in options["allowed"]],
-                  functions=[tuple(item) for item in options["functions"]]) \
+                  functions=[tuple(item) for item in options["functions"]],
+                  no_copy=[tuple(item) for item in options["no_copy"]]) \
         if watch_banned else Guard()
     for case in cases:
         expected = exercise.expected(case)

@@ -80,7 +80,8 @@ class Exercise:
     whatever route reaches them ("torch.softmax" refuses ``Tensor.softmax`` and
     ``torch.ops.aten._softmax`` too), for the shortcuts torch decomposes into allowed
     operations; "course_attn" refuses running any code of the package, except the functions
-    named in ``allowed`` (and whatever they run).
+    named in ``allowed`` (and whatever they run). ``no_copy``: ((position, name)) of the
+    tensor arguments the function must read where they are, never copy (``harness.Guard``).
     """
 
     key: str
@@ -94,6 +95,7 @@ class Exercise:
     mistakes: tuple[Mistake, ...] = ()
     ops: frozenset | None = None
     task: str = "implement"  # one of TASKS
+    no_copy: tuple[tuple[int, str], ...] = ()
 
     @property
     def chapter(self) -> str:

@@ -34,6 +34,7 @@ MAX_DEPTH = 32
 MAX_BYTES = 64 * 1024 * 1024
 MAX_DIMS = 64
 SWITCHES_OFF = "(it switches off the check of the operations it runs)"  # ends such a hit
+COPY_OF = "a copy of "  # starts a hit that copied an argument the exercise forbids copying
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
     torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)}
@@ -284,9 +285,26 @@ class _Operations(torch.utils._python_dispatch.TorchDispatchMode):
         self.guard = guard
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.guard.armed:
-            self.guard._check_operation(func)
-        return func(*args, **(kwargs or {}))
+        guard = self.guard
+        if guard.armed:
+            guard._check_operation(func)
+        out = func(*args, **(kwargs or {}))
+        if guard.armed and guard._protected:
+            guard._check_copy(func, args, kwargs or {}, out)
+        return out
+
+
+def _tensors(value) -> list:
+    """The tensors in an operation's arguments or results (nested in lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _storage(tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 class Guard:
@@ -304,7 +322,11 @@ class Guard:
     ``course_attn`` the kernel imports): running code defined in a file in it is a hit, named
     ``course_attn.masks.causal_mask``, unless the function is one of ``allowed`` ((file
     relative to the package, qualified name)): whatever an allowed function runs is allowed.
-    ``report(name)`` is called at once for each new hit.
+    ``report(name)`` is called at once for each new hit. ``no_copy``: ((argument position,
+    name)) of tensors the function must read where they are (grouped attention's K and V):
+    once operations that read only that argument have written as many elements as it holds
+    (a clone, a reshape of its expanded view, a stack of its heads, a copy_ from it), that is
+    a hit, ``a copy of k: torch.Tensor.reshape (it runs aten.clone)``.
 
     Where the function may run no operation at all (``ops`` empty: an answer worked out with
     arithmetic), a profiler in the calling thread also sees the package's Python code that
@@ -321,8 +343,10 @@ class Guard:
     """
 
     def __init__(self, ops=None, refused=(), package=None, allowed=(), report=None,
-                 functions=()):
+                 functions=(), no_copy=()):
         self.ops = None if ops is None else frozenset(ops)
+        self.no_copy = tuple((int(position), str(name)) for position, name in no_copy)
+        self._protected = {}  # in the current call: storage -> [name, elements, copied so far]
         self.refused = frozenset(_stem(name) for name in refused)
         self.functions = {(file, qualname): name for file, qualname, name in functions}
         self.packages = ()
@@ -404,6 +428,24 @@ class Guard:
             called = getattr(self._local, "function", None)
             self._hit(f"{called} (it runs {op})" if called else op)
 
+    def _check_copy(self, func, args, kwargs, out) -> None:
+        """After an operation, while a ``no_copy`` argument is guarded: count what it wrote
+        from that argument alone (an in-place operation writes its first argument, or ``out``)."""
+        written = _tensors(kwargs.get("out"))
+        if not written and str(func.overloadpacket).endswith("_"):
+            written = _tensors(args[:1])
+        read = [t for t in _tensors((args, kwargs)) if not any(t is w for w in written)]
+        sources = {_storage(t) for t in read if t.is_floating_point() or t.is_complex()}
+        if len(sources) != 1 or (source := sources.pop()) not in self._protected:
+            return
+        count = self._protected[source]
+        copied = sum(t.numel() for t in (written or _tensors(out)) if _storage(t) != source)
+        count[2] += copied
+        if copied and count[2] >= count[1] > 0 and count[2] - copied < count[1]:
+            called = getattr(self._local, "function", None)
+            op = str(func.overloadpacket)
+            self._hit(f"{COPY_OF}{count[0]}: " + (f"{called} (it runs {op})" if called else op))
+
     def call(self, target, args, kwargs):
         """``target(*args, **kwargs)`` under the guard (its frame ends the stack walks).
 
@@ -411,6 +453,9 @@ class Guard:
         the guard saw none, torch's dispatch was hidden from it (a dispatch key excluded around
         the work), and that is a hit."""
         self.operations_seen = 0
+        self._protected = {_storage(args[position]): [name, args[position].numel(), 0]
+                           for position, name in self.no_copy
+                           if position < len(args) and type(args[position]) is torch.Tensor}
         with _compile_stance(), self:
             result = target(*args, **kwargs)
         if self.ops and self.operations_seen == 0 and _new_tensor(result, args, kwargs):
@@ -745,7 +790,8 @@ def evaluate(request: dict, namespace: dict, report=None) -> dict:
     target = namespace.get(name)
     guard = Guard(request.get("ops"), request.get("refused", ()), request.get("package"),
                   [tuple(item) for item in request.get("allowed", ())], report,
-                  [tuple(item) for item in request.get("functions", ())])
+                  [tuple(item) for item in request.get("functions", ())],
+                  [tuple(item) for item in request.get("no_copy", ())])
     for number, case in enumerate(request["cases"] if answer["found"] else []):
         if request["kind"] == "value":
             result, args = target, []

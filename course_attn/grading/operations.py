@@ -47,6 +47,9 @@ triu_indices roll flip fliplr flipud rot90 repeat tile constant_pad_nd narrow_co
 select_scatter slice_scatter diagonal_scatter as_strided_scatter sort argsort topk kthvalue
 cummax cummin cumsum cumsum_ cumprod cumprod_ searchsorted bucketize _unique2 unique_dim
 unique_consecutive bincount histc isin embedding one_hot where"""
+# Arithmetic that torch does not tag pointwise: ``//`` on tensors (``div`` with
+# ``rounding_mode="floor"``, which is tagged, computes the same).
+_UNTAGGED_ARITHMETIC = "floor_divide floor_divide_"
 
 
 def _operators() -> tuple[set[str], set[str]]:
@@ -78,7 +81,8 @@ SOFTMAX_BACKWARD = frozenset({"aten._softmax_backward_data", "aten._log_softmax_
 LOGCUMSUMEXP = frozenset({"aten.logcumsumexp", "aten._logcumsumexp"})
 
 _NAMES, _TAGGED_OR_VIEWS = _operators()
-_LISTED = set(f"{_CREATION} {_METADATA} {_LINEAR_ALGEBRA} {_INDEXING}".split())
+_LISTED = set(f"{_CREATION} {_METADATA} {_LINEAR_ALGEBRA} {_INDEXING} "
+              f"{_UNTAGGED_ARITHMETIC}".split())
 ELEMENTARY = frozenset(f"aten.{name}" for name in _TAGGED_OR_VIEWS | _LISTED if name in _NAMES) \
     - SOFTMAX - SOFTMAX_BACKWARD - LOGCUMSUMEXP
 NONE: frozenset = frozenset()  # an answer worked out with arithmetic: no tensor at all
@@ -120,7 +124,8 @@ def guard_options(exercise, package: str | None, *, imports: bool = True) -> dic
     functions, matched by name whatever the route; ``functions``: Python functions, matched by
     where their code is); the package folder whose code it may not run (``package``, where the
     exercise bans ``"course_attn"``) and the package's functions it may run all the same
-    (``allowed``: file relative to the package, and qualified name). Without ``imports``, a
+    (``allowed``: file relative to the package, and qualified name); the arguments it may not
+    copy (``no_copy``: position and name). Without ``imports``, a
     refused function whose module is not imported yet is left out (``check()`` in a notebook
     need not import torch's compiler to refuse a function the notebook never imported; the
     grader imports them all)."""
@@ -143,7 +148,8 @@ def guard_options(exercise, package: str | None, *, imports: bool = True) -> dic
             "refused": [name for name in exercise.banned if name != "course_attn"],
             "functions": functions,
             "package": package if "course_attn" in exercise.banned else None,
-            "allowed": allowed}
+            "allowed": allowed,
+            "no_copy": [list(item) for item in exercise.no_copy]}
 
 
 def _code_of(dotted: str, imports: bool = True):
