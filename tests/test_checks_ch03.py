@@ -99,6 +99,22 @@ def test_causal_mask_mistakes():
 
 
 @pytest.mark.filterwarnings("ignore:Lower right causal bias")
+def test_a_mask_wrong_only_past_a_gap_of_three_fails_on_every_seed():
+    """Issue 31: aligned top-left only when Tq - Tk > 3, it passed 2 gradings in 5 when one
+    random gap was drawn in the regime Tq > Tk + 1; the regime's largest gap is now always
+    drawn. And a mask wrong only when Tq = Tk - 1 fails on every seed too."""
+    def past_three(tq, tk):
+        return torch.ones(tq, tk, dtype=torch.bool).tril(0 if tq - tk > 3 else tk - tq)
+
+    def one_short(tq, tk):
+        return torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq + (tq == tk - 1))
+
+    for wrong in (past_three, one_short):
+        for seed in range(100):
+            cases = hidden_cases("ch03.causal_mask", seed)
+            assert not run_exercise(get("ch03.causal_mask"), wrong, cases).passed, (wrong, seed)
+
+
 def test_causal_mask_may_not_call_a_ready_made_mask():
     assert_banned("ch03.causal_mask", lambda tq, tk: course_attn.causal_mask(tq, tk),
                   "course_attn")

@@ -31,6 +31,10 @@ def _(gen):
     yield Case(f"Tq={tq}, Tk={tk}", (tq, tk))
     tk = randint(2, 12, gen)
     yield Case(f"Tq=1, Tk={tk}", (1, tk))
+    # the edges, on every seed: the largest gap on a single key, the smallest on the most keys
+    # (a mask wrong only past some gap, or only one query short of square, fails here)
+    yield Case("Tq=9, Tk=1", (9, 1))
+    yield Case("Tq=11, Tk=12", (11, 12))
 
 
 # --- padding_mask ------------------------------------------------------------------------------
