@@ -586,13 +586,35 @@ def test_greedy_decode_may_not_call_the_package_or_a_library_attention():
     assert_banned(DECODE_LOOP, with_sdpa, "scaled_dot_product_attention")
 
 
-def divergence(compare="tokens", shift=0):
-    """first_divergence as the notebook's solution writes it; ``compare="logits"`` compares the
-    logits, ``"count"`` counts every agreement, ``shift`` adds to the index."""
-    buggy_loop, repaired_loop = given_loop(), given_loop(REPAIRED)
+def uncached_loop():
+    """The notebook's demonstration as a function: the model without a cache (each step feeds
+    the whole sequence so far to a fresh cache) -> the (n_new, V) logits that chose its tokens."""
+    step, empty = _given_namespace()
+
+    def generate(params, prompt, n_new):
+        sequence, rows = prompt, []
+        for _ in range(n_new):
+            rows.append(step(params, sequence, empty(params))[-1])
+            sequence = torch.cat([sequence, rows[-1].argmax().reshape(1)])
+        return torch.stack(rows)
+    return generate
+
+
+def _given_namespace():
+    namespace = {"__name__": "__notebook__"}
+    exec(_cell("ch08-setup"), namespace)
+    exec(_cell("ch08-greedy_decode-given"), namespace)
+    return namespace["attend_step"], namespace["empty_cache"]
+
+
+def divergence(compare="tokens", shift=0, against=None):
+    """first_divergence as the notebook's solution writes it: the given loop against the model
+    without a cache (or ``against``, a loop); ``compare="logits"`` compares the logits,
+    ``"count"`` counts every agreement, ``shift`` adds to the index."""
+    buggy_loop, right_loop = given_loop(), against or uncached_loop()
 
     def first_divergence(params, prompt, n_new):
-        buggy, repaired = buggy_loop(params, prompt, n_new), repaired_loop(params, prompt, n_new)
+        buggy, repaired = buggy_loop(params, prompt, n_new), right_loop(params, prompt, n_new)
         if compare == "logits":
             differ = ((buggy - repaired).abs().amax(dim=-1) > 1e-9).nonzero()
         else:
@@ -617,6 +639,21 @@ def test_first_divergence_passes_and_its_mistakes_are_named():
                  message="too large")
     assert_fails(DIVERGENCE, divergence(shift="prompt"), first, hint="start of the prompt")
     assert_fails(DIVERGENCE, divergence("count"), first, hint="every new token on which")
+
+
+def test_first_divergence_needs_nothing_of_the_students_repair():
+    """Issue 31: it compared the buggy loop with the student's greedy_decode, so it passed on
+    top of a wrong repair (the new tokens rotated from L + 1) and failed ("too large") without
+    one. Now measured against the model without a cache, which the given cell holds: the
+    measurement against the one-line repair gives the same counts, against a wrong repair
+    other counts."""
+    wrong = given_loop(REPAIRED.replace("    cos, sin", "    start += start > 0   # one too far\n"
+                                                        "    cos, sin"))
+    cases = [c for seed in range(5) for c in hidden_cases(DIVERGENCE, seed)]
+    assert [divergence()(*c.args) for c in cases] == \
+        [divergence(against=given_loop(REPAIRED))(*c.args) for c in cases]
+    judgement = run_exercise(get(DIVERGENCE), divergence(against=wrong), cases)
+    assert not judgement.passed
 
 
 def test_first_divergence_is_a_stable_measurement():

@@ -16,8 +16,9 @@
                           given greedy loop with a cache whose decode steps rotate their token at
                           position 0 (debug: graded on the logits, on hidden models and prompts)
     ch08.first_divergence first_divergence(params, prompt, n_new) -> int: how many new tokens the
-                          buggy and the repaired loops agree on before the first that differs
-                          (measure: compared exactly, on hidden models and prompts)
+                          buggy loop and the model run without a cache agree on before the first
+                          that differs (measure: compared exactly, on hidden models and prompts;
+                          it needs nothing of the student's greedy_decode)
 
 References: ``course_attn.KVCache``; ``course_attn.apply_rotary_emb`` and
 ``course_attn.scaled_dot_product_attention``; the counts from M(Tq, Tk) = Tq·a + L·2·Tq·Tk·C.
@@ -514,8 +515,12 @@ register(Exercise(
 # --- ch08.first_divergence (measure): where the buggy loop's text first differs ----------------
 #
 # The bug is silent: no error, and the first new token is right (the prefill is). The student
-# runs the given buggy loop and the repaired one on the same model and prompt and reports how
-# many new tokens they agree on before the first that differs (n_new if none differs). Both runs
+# runs the given buggy loop and the model without a cache (the notebook's demonstration: each
+# step feeds the whole sequence to a fresh cache) on the same model and prompt and reports how
+# many new tokens they agree on before the first that differs (n_new if none differs). The
+# repaired cached loop (_at_length) computes the uncached logits up to float64 rounding, so it is
+# the reference, and the answer does not depend on the student's repair in ch08.greedy_decode
+# (tests/test_checks_ch08.py compares the two on public and hidden cases). Both runs
 # are deterministic, in float64, and the hidden draws reject any model whose largest two logits
 # come within 1e-6 of each other at a step of either run (float64 rounding is ~1e-15 there), so
 # no argmax can flip between the student's arithmetic and the reference's: the count is compared
@@ -533,7 +538,8 @@ def _agreement(params, prompt, n_new):
 
 
 def first_divergence_reference(params, prompt, n_new):
-    """How many new tokens the buggy and the repaired loops agree on before they first differ."""
+    """How many new tokens the buggy loop and the uncached model agree on before they first
+    differ."""
     return _agreement(params, prompt, n_new)[0]
 
 
