@@ -154,7 +154,7 @@ def _gemma_with(fn):
 
 register(Exercise(
     key="ch06.gemma_rms_norm", function="gemma_rms_norm", reference=gemma_rms_norm_reference,
-    task="implement",
+    task="warm-up",   # the exercise's own formula is the answer
     ops=ELEMENTARY,
     cases=_gemma_cases, compare=expect_tensor, banned=NO_LIBRARY_RMS_NORM,
     mistakes=(

@@ -449,7 +449,7 @@ def _mask_wrong(*, count=_blocks, align=True, causal_rule="ok", by_index=False, 
 
 register(Exercise(
     key="ch09.tile_mask", function="tile_mask", reference=tile_mask_reference,
-    task="implement",
+    task="warm-up",   # chapter 9's tile_needed (section 4) for every tile
     ops=ELEMENTARY,
     cases=_mask_cases, compare=expect_tensor, banned=NO_LIBRARY_MASKS,
     mistakes=(

@@ -20,9 +20,9 @@
                                 earliest input position whose gradient on the last output is
                                 not 0, for a random model of L windowed layers (measure)
 
-Tasks: window_mask is a warm-up (the chapter states its rule); rolling_index and
-local_attention_block implement; window_budget derives; window_decode debugs;
-receptive_field measures.
+Tasks: window_mask and local_attention_block are warm-ups (the chapter states the one's rule
+and writes the other as its loop's body); rolling_index implements; window_budget derives;
+window_decode debugs; receptive_field measures.
 
 References: ``course_attn.sliding_window_mask``; the rolling-buffer rule below;
 ``course_attn.scaled_dot_product_attention(..., is_causal=True, window=W)`` on the keys in reach;
@@ -238,7 +238,7 @@ register(Exercise(
     key="ch11.local_attention_block", function="local_attention_block",
     # The chapter's loop body for one block, with the keys out of reach poisoned with NaN: it
     # tests the idea that makes local attention O(T·W), reading only the keys in reach.
-    task="implement",
+    task="warm-up",  # the body of chapter 11's local_attention_scratch (section 3)
     ops=ELEMENTARY | SOFTMAX,
     reference=local_attention_block_reference, cases=_block_cases, compare=expect_tensor,
     banned=NO_LIBRARY_ATTENTION,
