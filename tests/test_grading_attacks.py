@@ -547,7 +547,8 @@ ATTACKS = {
     "lookup_table_of_the_public_cases": Attack(
         "issue 8: the public cases answered from a table recorded before grading",
         "03_a", "ch03-causal_mask", LOOKUP_TABLE,
-        fails_first_or_named(r"a hidden case: your result: \d+ of \d+ entries differ\)")),
+        fails_first_or_named(r"a hidden case(?: \(.+?\))?: your result: \d+ of \d+ entries "
+                             r"differ\)")),
     "input_transformer_forges_the_checks": Attack(
         "issue 8: an input transformer that prints a pass for every check cell",
         "03_b", "ch03-causal_mask", TRANSFORMER_FORGES_CHECKS,

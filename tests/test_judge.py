@@ -122,3 +122,32 @@ def test_check_prints_which_parts_are_right(capsys):
 def test_a_tensor_answer_is_matched_to_a_mistake_as_before():
     x = torch.zeros(1)
     assert judge_case(VIEWS, VIEWS.public_cases()[0], x, Answer(value=x)).passed
+
+
+def test_a_hint_about_the_dtype_is_shown_only_when_the_dtype_is_wrong():
+    """Issue 31: "keep the dtype: do not convert the inputs" reached answers that kept it."""
+    exercise = get("ch07.repeat_kv")
+    [case] = [c for c in exercise.public_cases() if "dtype" in c.hint]
+    expected = exercise.expected(case)
+    kept = judge_case(exercise, case, expected, Answer(value=expected + 1))
+    assert not kept.passed and kept.hint == "" and "largest error" in kept.message
+    converted = judge_case(exercise, case, expected, Answer(value=expected.float()))
+    assert not converted.passed and converted.hint == case.hint
+
+
+def test_a_failed_hidden_case_names_its_regimes():
+    from helpers import SOLUTIONS_DIR
+
+    from course_attn.grading.exercise import hidden_cases, load_hidden
+    load_hidden(SOLUTIONS_DIR)
+    exercise = get("ch03.causal_mask")
+    judgement = Judgement(exercise.key)
+    for case in hidden_cases(exercise.key, 0):   # wrong only where Tq > Tk + 1
+        value = torch.ones(case.args, dtype=torch.bool).tril(case.args[1] - case.args[0])
+        if case.args[0] > case.args[1] + 1:
+            value[-1, 0] = ~value[-1, 0]
+        judgement.results.append(judge_case(exercise, case, exercise.expected(case),
+                                            Answer(value=value), hidden=True))
+    regime = "Tq > Tk by more than one (rows with no key)"
+    assert f"a hidden case ({regime}): your result: 1 of" in judgement.reason()
+    assert {r.regimes for r in judgement.results if not r.passed} == {(regime,)}

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .exercise import Case, Exercise
+from .exercise import Case, Exercise, hidden_regimes
 from .harness import COPY_OF, SWITCHES_OFF
 
 NOT_IMPLEMENTED = "not answered yet"
@@ -35,6 +35,7 @@ class CaseResult:
     hidden: bool = False
     named: bool = False  # the hint names a typical mistake (not the case's own hint)
     part: str = ""       # the part of a multi-part answer this case judges (Case.part)
+    regimes: tuple[str, ...] = ()  # of a hidden case: the regimes it lies in
 
 
 @dataclass
@@ -99,7 +100,8 @@ class Judgement:
         # The case to show: one whose answer is a typical mistake's, so the hint names it,
         # the public ones first (the student can rerun them); else the first that failed.
         shown = min(failed, key=lambda r: (not r.named, r.hidden))
-        where = "a hidden case" if shown.hidden else repr(shown.name)
+        where = (f"a hidden case ({'; '.join(shown.regimes)})" if shown.regimes else
+                 "a hidden case") if shown.hidden else repr(shown.name)
         parts = self.parts()
         right = (f"{sum(parts.values())} of {len(parts)} parts right; " if parts else "")
         which = "first" if shown is failed[0] else "one that names the mistake"
@@ -237,38 +239,50 @@ def not_computed(pairs) -> str:
 
 def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
                hidden: bool = False) -> CaseResult:
+    """One case judged. A failed case's hint is a typical mistake's, where the student's answer
+    (or error) is that mistake's on this case; else the dtype's, where the dtype is what
+    differs; else the case's own hint, unless that one speaks of the dtype and the dtype is
+    right. A hidden case that fails names the regimes it lies in."""
     name, part = case.name, case.part
+    regimes = tuple(regime for regime, holds in hidden_regimes(exercise.key).items()
+                    if _holds(holds, case)) if hidden else ()
+
+    def failed(message, hint="", named=False):
+        return CaseResult(name, False, message, hint, hidden, named, part, regimes)
     if answer.error is not None:
         if answer.error.get("type") == "NotImplementedError":
-            return CaseResult(name, False, describe_error(answer.error), "", hidden, part=part)
+            return failed(describe_error(answer.error))
         named = name_the_error(exercise, case, answer.error)
-        return CaseResult(name, False, describe_error(answer.error), named or case.hint, hidden,
-                          bool(named), part)
+        return failed(describe_error(answer.error), named or case.hint, bool(named))
     if answer.unsendable:
-        return CaseResult(name, False, f"your function returned {answer.unsendable}, which is "
-                                       "not a tensor, number, string or list of them",
-                          case.hint, hidden, part=part)
+        return failed(f"your function returned {answer.unsendable}, which is not a tensor, "
+                      "number, string or list of them", case.hint)
     try:
         exercise.compare(answer.value, expected, case)
     except AssertionError as error:
         named = name_the_mistake(exercise, case, answer.value)
         pairs = tensor_pairs(answer.value, expected, case)
         wrong_dtype = next(((where, a, b) for where, a, b in pairs if a.dtype != b.dtype), None)
-        # before any hint about the values, unless the case's own hint is about the dtype
-        if wrong_dtype is not None and not named and "dtype" not in (case.hint or ""):
-            return CaseResult(name, False, str(error) or "wrong answer",
-                              dtype_hint(*wrong_dtype), hidden, part=part)
-        return CaseResult(name, False, not_computed(pairs) or str(error) or "wrong answer",
-                          named or case.hint, hidden, bool(named), part)
+        hint = case.hint
+        if wrong_dtype is not None and not named:
+            hint = dtype_hint(*wrong_dtype) if "dtype" not in (case.hint or "") else hint
+        elif "dtype" in (case.hint or "") and pairs:   # the dtype is right: not this hint
+            hint = ""
+        return failed(not_computed(pairs) or str(error) or "wrong answer", named or hint,
+                      bool(named))
     except Exception as error:  # an answer of a shape the comparison did not foresee
-        return CaseResult(name, False, f"your answer could not be compared: {error}",
-                          case.hint, hidden, part=part)
+        return failed(f"your answer could not be compared: {error}", case.hint)
     if answer.mutated_argument is not None:
-        return CaseResult(name, False, f"your function changed its argument "
-                                       f"{answer.mutated_argument + 1} in place",
-                          "compute a new tensor or list instead of writing into the input",
-                          hidden, part=part)
+        return failed(f"your function changed its argument {answer.mutated_argument + 1} in "
+                      "place", "compute a new tensor or list instead of writing into the input")
     return CaseResult(name, True, hint=case.hint, hidden=hidden, part=part)
+
+
+def _holds(predicate, case) -> bool:
+    try:
+        return bool(predicate(case))
+    except Exception:
+        return False
 
 
 def format_judgement(judgement: Judgement) -> str:
