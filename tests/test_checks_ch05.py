@@ -334,7 +334,7 @@ def test_rope_predictions_mistakes():
     assert_fails(key, predicting(slowest_wavelength=lambda d, base, *_: base ** (2 / d - 1)), a,
                  hint="angle per token")
     assert_fails(key, predicting(score=lambda d, base, m, n, _: -math.sin(m - n)), b,
-                 hint="rotated by -θ")
+                 hint="the opposite sign")
     assert_fails(key, predicting(score=lambda *_: 0.0), b, hint="did not rotate")
     assert_fails(key, predicting(same_score=lambda d, base, m, n, cands: first(
         cands, lambda m2, n2: abs(m2 - n2) == abs(m - n))), c, hint="has a sign")

@@ -449,10 +449,9 @@ register(Exercise(
     ops=ELEMENTARY | SOFTMAX,
     compare=expect_close_tensor(1e-5, 1e-5), banned=NO_LIBRARY_ATTENTION,
     mistakes=(
-        Mistake("your layer still lets an output read later tokens: the heads' outputs are "
-                "(B, H, T, D), and flattening them to (B, T, C) as they are puts several "
-                "positions of one head in output row t; time must come before the heads "
-                "before the last two axes are flattened", leaky_self_attention),
+        Mistake("your layer still lets an output read later tokens, with the mask right: "
+                "look at which positions of which head end up in output row t",
+                leaky_self_attention),
         Mistake("your output channels interleave the heads (channel j comes from head j mod "
                 "H): head h must fill the contiguous block h·D .. (h+1)·D - 1, as the fused "
                 "projection's output was split", _causal_with(merge=_merge_strided)),

@@ -285,8 +285,8 @@ ROPE_QUESTIONS = {
         "slowest pair is the last one, i = D/2 - 1"),
     "score": (
         "(b) the score of q = (1, 0) at position m and k = (0, 1) at position n, D = 2",
-        "with D = 2 the one pair has θ₀ = 1; rotate q by m radians and k by n radians, then take "
-        "the dot product (or use q_m · k_n = q · R((n - m)θ) k)"),
+        "with D = 2 there is one pair; find its angle per token, rotate q and k to their "
+        "positions, then take the dot product"),
     "same_score": (
         "(c) the candidate (m', n') with the score of (m, n) for any q and k",
         "the score depends on the positions through m - n only, with its sign: a difference "
@@ -386,13 +386,13 @@ register(Exercise(
         Mistake("you took the slowest pair's angle per token for its wavelength: a pair turning "
                 "by θ per token needs 2π/θ tokens for a full turn",
                 _predicting(slowest_wavelength=lambda d, base, **_: base ** (-(d - 2) / d))),
-        Mistake("you took the wavelength of a pair with θ = 1/base: the last pair is "
-                "i = D/2 - 1, so θ = base^(-(D-2)/D), a little faster than 1/base",
+        Mistake("you took the wavelength of a pair with θ = 1/base: no pair has that angle; "
+                "count which index the slowest pair has",
                 _predicting(slowest_wavelength=lambda d, base, **_: 2 * math.pi * base)),
         Mistake("you forgot the 2π: a full turn is 2π radians, not 1",
                 _predicting(slowest_wavelength=lambda d, base, **_: base ** ((d - 2) / d))),
-        Mistake("you rotated by -θ (or took n - m the other way round): q_m · k_n = "
-                "q · R((n - m)θ) k, and here the sign of the angle matters",
+        Mistake("your score has the opposite sign: you rotated one vector the other way, or "
+                "took the difference of the positions the other way round",
                 _predicting(score=lambda d, base, m, n, **_: math.sin(n - m))),
         Mistake("you did not rotate: the score of q and k rotated by different angles is not "
                 "q · k", _predicting(score=lambda **_: 0.0)),

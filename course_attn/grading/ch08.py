@@ -248,12 +248,12 @@ register(Exercise(
         Mistake("your causal mask is aligned top-left (PyTorch's is_causal): the new queries are "
                 "the LAST T_new positions, so query i sits at L + i, not at i",
                 _step_wrong(align="top_left")),
-        Mistake("you rotated the new tokens at positions 0 .. T_new-1: they come after the L "
-                "cached tokens, so RoPE must start at position L", _step_wrong(q_at=0, k_at=0)),
-        Mistake("you rotated the new queries at 0 instead of L: a query's position is the "
-                "token's position in the whole sequence", _step_wrong(q_at=0)),
-        Mistake("you rotated the new keys at 0 instead of L: they are stored at positions "
-                "L .. L + T_new - 1 and must be rotated there", _step_wrong(k_at=0)),
+        Mistake("you rotated the new tokens at positions 0 .. T_new-1, as if the cache were "
+                "empty: where do they sit in the whole sequence?", _step_wrong(q_at=0, k_at=0)),
+        Mistake("you rotated the new queries as if the cache were empty (from position 0), "
+                "and the new keys elsewhere: the two disagree", _step_wrong(q_at=0)),
+        Mistake("you rotated the new keys as if the cache were empty (from position 0), and "
+                "the new queries elsewhere: the two disagree", _step_wrong(k_at=0)),
         Mistake("you rotated the cached keys again: they were rotated when they were written, "
                 "at their own positions", _step_wrong(rerotate=True)),
         Mistake("you attended to the new keys only: the queries must see the cached keys and "
@@ -679,8 +679,8 @@ register(Exercise(
     reference=mla_decode_step_reference, task="implement", ops=ELEMENTARY | SOFTMAX,
     cases=_mla_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
-        Mistake("you rotated the new RoPE query and key at positions 0 .. T_new-1: they come "
-                "after the L cached tokens, so RoPE must start at position L", _mla_wrong(at=0)),
+        Mistake("you rotated the new RoPE query and key at positions 0 .. T_new-1, as if the "
+                "cache were empty: where do they sit in the whole sequence?", _mla_wrong(at=0)),
         Mistake("you rotated the cached RoPE keys again: they were rotated when they were "
                 "cached, at their own positions", _mla_wrong(rerotate=True)),
         Mistake("you scaled the scores by 1/sqrt(D): a score is the dot product of the whole "

@@ -1,0 +1,67 @@
+"""A hint says what the student did wrong, never what is right (issue 31): no declared hint of
+any exercise, a typical mistake's or a case's own, holds the answer of that exercise's public
+cases, or the formula the exercise asks for."""
+
+import math
+import re
+
+import pytest
+
+from course_attn.grading import all_exercises
+
+EXERCISES = all_exercises()
+
+# The formulas that hints gave away before (issue 31), as the exercises ask for them.
+GIVEAWAYS = {
+    "ch05.rope_predictions": ["base^(-(D-2)/D)", "R((n - m)θ)"],
+    "ch08.decode_step": ["start at position L", "instead of L"],
+    "ch08.mla_decode_step": ["start at position L"],
+    "ch04.causal_self_attention": ["time must come before the heads"],
+}
+
+
+def numbers_in(value) -> list[str]:
+    """The ways a number of the answer would be written in a hint: the whole numbers of two
+    digits or more and every other finite number (a 0, 1 or 2 says nothing of an answer)."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or (float(value).is_integer() and abs(value) < 10):
+            return []
+        written = {f"{value:g}", f"{value:.3g}", f"{value:.2f}"}
+        if float(value).is_integer():
+            written.add(str(int(value)))
+        return sorted(w for w in written if not re.fullmatch(r"-?\d", w))
+    if isinstance(value, dict):
+        return [n for item in value.values() for n in numbers_in(item)]
+    if isinstance(value, (list, tuple)) and len(value) <= 8:
+        return [n for item in value for n in numbers_in(item)]
+    return []
+
+
+def hints(exercise):
+    return [case.hint for case in exercise.public_cases() if case.hint] + \
+        [mistake.hint for mistake in exercise.mistakes]
+
+
+@pytest.mark.parametrize("key", sorted(EXERCISES))
+def test_no_hint_holds_the_answer_of_a_public_case(key):
+    exercise = EXERCISES[key]
+    every_hint = hints(exercise)
+    for case in exercise.public_cases():
+        for number in numbers_in(exercise.expected(case)):
+            pattern = r"(?<![\w.])" + re.escape(number) + r"(?![\w])"
+            leaking = [hint for hint in every_hint if re.search(pattern, hint)]
+            assert not leaking, f"{key}, {case.name!r}: the answer {number} is in {leaking}"
+
+
+@pytest.mark.parametrize("key", sorted(GIVEAWAYS))
+def test_no_hint_states_the_formula_the_exercise_asks_for(key):
+    for hint in hints(EXERCISES[key]):
+        for formula in GIVEAWAYS[key]:
+            assert formula not in hint, f"{key}: {hint!r}"
+
+
+def test_the_rule_catches_a_hint_that_gives_the_number():
+    assert numbers_in({"a": 12, "b": 0.5, "c": 3}) == ["12", "12.00", "0.5", "0.50"]
+    assert re.search(r"(?<![\w.])" + re.escape("12") + r"(?![\w])", "the answer is 12 tokens")
