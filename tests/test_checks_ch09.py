@@ -743,3 +743,102 @@ def test_triton_forward_may_not_call_the_packages_kernels(kernel):
     def with_the_package(q, k, v):
         return triton_flash.triton_attention(q[None, None], k[None, None], v[None, None])[0, 0]
     assert_banned(TRITON, with_the_package, "course_attn.triton_flash")
+
+
+# --- flash_backward (implement): the tiled backward with a gradient on lse too ------------------
+
+FLASH_BACKWARD = "ch09.flash_backward"
+
+
+def flash_backward(q, k, v, out, lse, dout, dlse, is_causal=False, block=16):
+    """Gradients (dq, dk, dv) of a loss whose gradients on the attention's output and
+    log-sum-exp are dout (B, H, Tq, Dv) and dlse (B, H, Tq), recomputing P tile by tile."""
+    tq, tk, scale = q.shape[-2], k.shape[-2], 1 / math.sqrt(q.shape[-1])
+    offset = tk - tq                                   # query i sits at position Tk - Tq + i
+    # lse_i depends on every score of row i (d lse_i / d S_ij = P_ij): its gradient joins the
+    # softmax's row term, dS = P * (dP - D + dlse)
+    row_term = (dout * out).sum(dim=-1) - dlse
+    lse = torch.where(lse == -math.inf, 0.0, lse)      # rows with no key: P = 0 anyway
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for k0 in range(0, tk, block):                     # each key block owns its dK, dV
+        kb, vb = k[..., k0:k0 + block, :], v[..., k0:k0 + block, :]
+        cols = torch.arange(k0, k0 + kb.shape[-2])
+        for q0 in range(0, tq, block):
+            rows = offset + torch.arange(q0, min(q0 + block, tq))
+            if is_causal and k0 > int(rows[-1]):
+                continue                               # above the diagonal: nothing to add
+            qb, dob = q[..., q0:q0 + block, :], dout[..., q0:q0 + block, :]
+            s = qb @ kb.transpose(-2, -1) * scale
+            if is_causal:
+                s = s.masked_fill(cols[None, :] > rows[:, None], -math.inf)
+            p = torch.exp(s - lse[..., q0:q0 + block, None])          # recomputed
+            dv[..., k0:k0 + block, :] += p.transpose(-2, -1) @ dob
+            ds = p * (dob @ vb.transpose(-2, -1) - row_term[..., q0:q0 + block, None])
+            dq[..., q0:q0 + block, :] += ds @ kb * scale
+            dk[..., k0:k0 + block, :] += ds.transpose(-2, -1) @ qb * scale
+    return dq, dk, dv
+
+
+def test_flash_backward_the_notebooks_solution_passes_on_every_seed():
+    for cases in [None] + [hidden_cases(FLASH_BACKWARD, seed) for seed in range(10)]:
+        judgement = run_exercise(get(FLASH_BACKWARD), flash_backward, cases)
+        assert judgement.passed, judgement.reason()
+
+
+def test_flash_backward_reference_is_autograds():
+    """The reference (the dense formulas) against autograd through softmax and logsumexp, for
+    a loss sum(out * dout) + sum(lse * dlse) over the rows that see a key."""
+    from course_attn.grading.ch09 import _visible
+    for case in get(FLASH_BACKWARD).public_cases():
+        q, k, v, out, lse, dout, dlse, is_causal, block = case.args
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(~_visible(q.shape[-2], k.shape[-2], is_causal), -math.inf)
+        lse_ = torch.logsumexp(s, -1)
+        out_ = torch.softmax(s, -1).nan_to_num(0.0) @ v
+        loss = (out_ * dout).sum() + (lse_.masked_fill(lse_ == -math.inf, 0.0) * dlse).sum()
+        for got, want in zip(torch.autograd.grad(loss, (q, k, v)), get(FLASH_BACKWARD).expected(
+                case)):
+            torch.testing.assert_close(got, want)
+
+
+def test_flash_backward_mistakes_are_named():
+    from course_attn.grading.ch09 import _backward_with
+    on_lse = "Tq = Tk = 40 in blocks of 16, a gradient on lse"
+    for mistake, hint in (({"dlse_sign": 0.0}, "right where dlse is 0"),
+                          ({"dlse_sign": -1.0}, "wrong sign"),
+                          ({"rowsum": False}, "row term"),
+                          ({"with_lse": False}, "not normalised"),
+                          ({"times_p": False}, "not weighted by P")):
+        assert_fails(FLASH_BACKWARD, _backward_with(**mistake), on_lse, hint=hint)
+    # the chapter's backward (dlse ignored) passes where dlse is 0 only
+    found = results(FLASH_BACKWARD, _backward_with(dlse_sign=0.0))
+    assert [name for name, r in found.items() if r.passed] == \
+        ["Tq = Tk = 40 in blocks of 16, dlse = 0 (the chapter's backward)"]
+
+
+def test_flash_backward_that_holds_the_whole_table_scores_0():
+    """Right gradients from the dense formulas: the (Tq, Tk) table of P is what the tiles
+    avoid, and the guard sees it made."""
+    def dense(q, k, v, out, lse, dout, dlse, is_causal=False, block=16):
+        scale = 1 / math.sqrt(q.shape[-1])
+        s = q @ k.transpose(-2, -1) * scale
+        if is_causal:
+            tq, tk = s.shape[-2:]
+            s = s.masked_fill(~torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq), -math.inf)
+        p = torch.exp(s - torch.where(lse == -math.inf, 0.0, lse)[..., None])
+        ds = p * (dout @ v.transpose(-2, -1) - ((dout * out).sum(-1) - dlse)[..., None])
+        return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
+    judgement = run_exercise(get(FLASH_BACKWARD), dense)
+    assert all(r.passed for r in judgement.results)
+    assert judgement.credit() == 0
+    assert judgement.reason().startswith("makes a whole table of scores (40, 40): "), \
+        judgement.reason()
+    assert "grows as T, not T²" in judgement.reason()
+
+
+def test_flash_backward_may_not_use_autograd():
+    def with_autograd(q, k, v, out, lse, dout, dlse, is_causal=False, block=16):
+        q = q.clone().requires_grad_()
+        return torch.autograd.grad(q.sum(), q)[0], k, v
+    assert_banned(FLASH_BACKWARD, with_autograd, "torch.autograd.grad")

@@ -25,8 +25,11 @@
     ch09.triton_forward   triton_forward(q, k, v) -> (Tq, D): the flash forward as a Triton
                           kernel, one program per block of 16 queries (on the CPU through
                           Triton's interpreter)
+    ch09.flash_backward   flash_backward(q, k, v, out, lse, dout, dlse, is_causal, block) ->
+                          (dq, dk, dv): the tiled backward when the loss reads the log-sum-exps
+                          too, checked against autograd, never making the whole (Tq, Tk) table
 
-The first three are warm-ups (the chapter writes them out). References:
+The first four are warm-ups (the chapter writes them out). References:
 ``course_attn.softmax``; ``course_attn.flash.merge_attention_states``; the update written out
 below; ``course_attn.masks`` reduced over blocks; the counts from the formulas of the chapter;
 the softmax in float64 (chunked_attention, triton_forward); the same measurement, made by the
@@ -958,5 +961,119 @@ register(Exercise(
                 "straight line only on a log-log scale", _with_rule(log_t=float, log_peak=float)),
         Mistake("your two logarithms have different bases", _with_rule(log_t=math.log2)),
         Mistake("your two logarithms have different bases", _with_rule(log_peak=math.log2)),
+    ),
+))
+
+
+# --- ch09.flash_backward: the tiled backward when the log-sum-exp has a gradient too -------------
+# The chapter's tiled_backward takes dO only. Where the forward's lse is used as well (merging
+# two partial attentions, chapter 9's ring; a loss on the normaliser), the loss sends a gradient
+# dlse into it, and the backward must carry it into dS. Not shown in the chapter: lse_i depends on
+# every score of row i, d lse_i / d S_ij = P_ij, so dS = P ∘ (dP - D + dlse).
+
+NO_AUTOGRAD = ("torch.autograd.grad", "torch.autograd.backward", "torch.Tensor.backward",
+               "torch.autograd.functional.jacobian", "torch.autograd.functional.vjp",
+               "torch.func.grad", "torch.func.grad_and_value", "torch.func.vjp",
+               "torch.func.jacrev", "torch.func.jacfwd", "torch._softmax_backward_data")
+
+
+def _visible(tq, tk, is_causal, device=None):
+    """(Tq, Tk) bool: which keys each query may see (bottom-right aligned when causal)."""
+    if not is_causal:
+        return torch.ones(tq, tk, dtype=torch.bool, device=device)
+    return causal_mask(tq, tk, device=device)
+
+
+def flash_forward_reference(q, k, v, is_causal=False):
+    """(out, lse) in float64: out (B, H, Tq, Dv), lse (B, H, Tq), -inf (and out 0) for a row
+    that sees no key."""
+    s = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~_visible(q.shape[-2], k.shape[-2], is_causal, q.device), INF)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(lse == INF, 0.0, lse)[..., None])
+    return (p @ v.double()).to(q.dtype), lse.to(q.dtype)
+
+
+def _flash_grads(q, k, v, out, lse, dout, dlse, is_causal, *, rowsum=True, with_lse=True,
+                 times_p=True, dlse_sign=1.0):
+    """dq, dk, dv of the dense computation, with one of the typical mistakes switched on."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    s = (q @ k.transpose(-2, -1)) * scale
+    s = s.masked_fill(~_visible(q.shape[-2], k.shape[-2], is_causal, q.device), INF)
+    p = torch.exp(s - torch.where(lse == INF, 0.0, lse)[..., None]) if with_lse else \
+        torch.exp(s)
+    dv = p.transpose(-2, -1) @ dout
+    dp = dout @ v.transpose(-2, -1)
+    rows = (dout * out).sum(-1, keepdim=True) if rowsum else 0.0
+    inner = dp - rows + dlse_sign * dlse[..., None]
+    ds = p * inner if times_p else inner.masked_fill(p == 0, 0.0)
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
+
+
+def flash_backward_reference(q, k, v, out, lse, dout, dlse, is_causal=False, block=16):
+    """(dq, dk, dv) of a loss L(out, lse) whose gradients are dout (B, H, Tq, Dv) and dlse
+    (B, H, Tq), for out, lse = the attention's output and log-sum-exp: the dense computation."""
+    return _flash_grads(q, k, v, out, lse, dout, dlse, is_causal)
+
+
+def _backward_with(**mistake):
+    def fn(q, k, v, out, lse, dout, dlse, is_causal=False, block=16):
+        return _flash_grads(q, k, v, out, lse, dout, dlse, is_causal, **mistake)
+    return fn
+
+
+def backward_inputs(b, h, tq, tk, d, dv, seed, *, is_causal=False, dlse=True):
+    """q, k, v, their forward's out and lse, and random gradients dout and dlse (float64)."""
+    g = torch.Generator().manual_seed(seed) if isinstance(seed, int) else seed
+    q, k, v = (randn(b, h, t, width, seed=g, dtype=torch.float64)
+               for t, width in ((tq, d), (tk, d), (tk, dv)))
+    out, lse = flash_forward_reference(q, k, v, is_causal)
+    dout = randn(b, h, tq, dv, seed=g, dtype=torch.float64)
+    grad = randn(b, h, tq, seed=g, dtype=torch.float64) if dlse else torch.zeros(b, h, tq,
+                                                                                   dtype=torch.float64)
+    return q, k, v, out, lse, dout, grad, is_causal
+
+
+def backward_case(name, b, h, tq, tk, d, dv, block, seed, *, is_causal=False, dlse=True,
+                  hint=""):
+    return Case(name, (*backward_inputs(b, h, tq, tk, d, dv, seed, is_causal=is_causal,
+                                        dlse=dlse), block), hint=hint)
+
+
+def _backward_cases():
+    yield backward_case("Tq = Tk = 40 in blocks of 16, dlse = 0 (the chapter's backward)",
+                        1, 2, 40, 40, 8, 8, 16, 950, dlse=False,
+                        hint="with dlse = 0 this is the chapter's tiled backward")
+    yield backward_case("Tq = Tk = 40 in blocks of 16, a gradient on lse", 1, 2, 40, 40, 8, 8, 16,
+                        951, hint="lse_i depends on every score of row i")
+    yield backward_case("causal, Tq = 24 < Tk = 56, blocks of 16, a gradient on lse",
+                        2, 1, 24, 56, 8, 4, 16, 952, is_causal=True,
+                        hint="query i sits at position Tk - Tq + i")
+    yield backward_case("causal, Tq = 40 > Tk = 24: rows that see no key (lse = -inf)",
+                        1, 2, 40, 24, 8, 8, 16, 953, is_causal=True,
+                        hint="a row that sees no key has no gradient to give")
+    yield backward_case("one block: Tq = Tk = 12, block 16", 1, 1, 12, 12, 8, 8, 16, 954,
+                        hint="a single tile holds every score")
+
+
+register(Exercise(
+    key="ch09.flash_backward", function="flash_backward", reference=flash_backward_reference,
+    task="implement", ops=ELEMENTARY, cases=_backward_cases,
+    compare=expect_tensors(("dq", "dk", "dv")),
+    banned=NO_SOFTMAX_OR_LSE + NO_LIBRARY_ATTENTION[1:] + NO_AUTOGRAD,
+    no_table=(0, 1, 8),
+    mistakes=(
+        Mistake("your gradients are right where dlse is 0 and wrong where it is not: the loss "
+                "reaches the scores through lse as well as through the output",
+                _backward_with(dlse_sign=0.0)),
+        Mistake("your gradient through lse has the wrong sign: raising a score raises lse",
+                _backward_with(dlse_sign=-1.0)),
+        Mistake("your dS leaves out the row term of the softmax's Jacobian (what D = rowsum(dO ∘ "
+                "O) stands for): the weights of a row sum to 1, so raising one lowers the others",
+                _backward_with(rowsum=False)),
+        Mistake("your recomputed P is not normalised: its rows do not sum to 1, as the forward's "
+                "weights did", _backward_with(with_lse=False)),
+        Mistake("your dS is not weighted by P: a score's gradient is as large as its weight",
+                _backward_with(times_p=False)),
     ),
 ))

@@ -34,7 +34,8 @@ def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = Tru
     guard = Guard(options["ops"], options["refused"], options["package"],
                   [tuple(item) for item in options["allowed"]],
                   functions=[tuple(item) for item in options["functions"]],
-                  no_copy=[tuple(item) for item in options["no_copy"]]) \
+                  no_copy=[tuple(item) for item in options["no_copy"]],
+                  no_table=options["no_table"]) \
         if watch_banned else Guard()
     for case in cases:
         expected = exercise.expected(case)

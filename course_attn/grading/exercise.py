@@ -81,7 +81,9 @@ class Exercise:
     ``torch.ops.aten._softmax`` too), for the shortcuts torch decomposes into allowed
     operations; "course_attn" refuses running any code of the package, except the functions
     named in ``allowed`` (and whatever they run). ``no_copy``: ((position, name)) of the
-    tensor arguments the function must read where they are, never copy (``harness.Guard``).
+    tensor arguments the function must read where they are, never copy; ``no_table``: the
+    positions of q, k and the block size of a tiled computation, which may not make a whole
+    (Tq, Tk) table (``harness.Guard``).
     """
 
     key: str
@@ -96,6 +98,7 @@ class Exercise:
     ops: frozenset | None = None
     task: str = "implement"  # one of TASKS
     no_copy: tuple[tuple[int, str], ...] = ()
+    no_table: tuple[int, int, int] | None = None
 
     @property
     def chapter(self) -> str:

@@ -35,6 +35,7 @@ MAX_BYTES = 64 * 1024 * 1024
 MAX_DIMS = 64
 SWITCHES_OFF = "(it switches off the check of the operations it runs)"  # ends such a hit
 COPY_OF = "a copy of "  # starts a hit that copied an argument the exercise forbids copying
+TABLE_OF = "a whole table of scores "  # starts a hit that made a (Tq, Tk) tensor where tiles do
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
     torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)}
@@ -291,6 +292,8 @@ class _Operations(torch.utils._python_dispatch.TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if guard.armed and guard._protected:
             guard._check_copy(func, args, kwargs or {}, out)
+        if guard.armed and guard._table:
+            guard._check_table(func, out)
         return out
 
 
@@ -305,6 +308,20 @@ def _tensors(value) -> list:
 
 def _storage(tensor) -> int:
     return tensor.untyped_storage().data_ptr()
+
+
+def _table(positions, args):
+    """The (Tq, Tk) and (Tk, Tq) shapes a tiled call may not make, from the positions of q, k
+    and the block size in ``args``; None where no rule applies (a block of queries or of keys
+    holds them all, so a tile may be as large as the table)."""
+    if not positions or max(positions) >= len(args):
+        return None
+    q, k, block = (args[p] for p in positions)
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or q.dim() < 2 or \
+            k.dim() < 2 or isinstance(block, bool) or not isinstance(block, int):
+        return None
+    tq, tk = q.shape[-2], k.shape[-2]
+    return {(tq, tk), (tk, tq)} if min(tq, tk) > block else None
 
 
 class Guard:
@@ -326,7 +343,9 @@ class Guard:
     name)) of tensors the function must read where they are (grouped attention's K and V):
     once operations that read only that argument have written as many elements as it holds
     (a clone, a reshape of its expanded view, a stack of its heads, a copy_ from it), that is
-    a hit, ``a copy of k: torch.Tensor.reshape (it runs aten.clone)``.
+    a hit, ``a copy of k: torch.Tensor.reshape (it runs aten.clone)``. ``no_table``: (position
+    of q, of k, of the block size) for a tiled computation: a tensor whose last two axes are
+    (Tq, Tk), or (Tk, Tq), is a hit where tiles are smaller than that (Tq and Tk above the block).
 
     Where the function may run no operation at all (``ops`` empty: an answer worked out with
     arithmetic), a profiler in the calling thread also sees the package's Python code that
@@ -343,10 +362,12 @@ class Guard:
     """
 
     def __init__(self, ops=None, refused=(), package=None, allowed=(), report=None,
-                 functions=(), no_copy=()):
+                 functions=(), no_copy=(), no_table=None):
         self.ops = None if ops is None else frozenset(ops)
         self.no_copy = tuple((int(position), str(name)) for position, name in no_copy)
         self._protected = {}  # in the current call: storage -> [name, elements, copied so far]
+        self.no_table = tuple(int(p) for p in no_table) if no_table else None
+        self._table = None  # in the current call: the forbidden last two axes
         self.refused = frozenset(_stem(name) for name in refused)
         self.functions = {(file, qualname): name for file, qualname, name in functions}
         self.packages = ()
@@ -446,6 +467,16 @@ class Guard:
             op = str(func.overloadpacket)
             self._hit(f"{COPY_OF}{count[0]}: " + (f"{called} (it runs {op})" if called else op))
 
+    def _check_table(self, func, out) -> None:
+        for tensor in _tensors(out):
+            if tensor.dim() >= 2 and tuple(tensor.shape[-2:]) in self._table:
+                called = getattr(self._local, "function", None)
+                op = str(func.overloadpacket)
+                rows, cols = tensor.shape[-2:]
+                self._hit(f"{TABLE_OF}({rows}, {cols}): " +
+                          (f"{called} (it runs {op})" if called else op))
+                return
+
     def call(self, target, args, kwargs):
         """``target(*args, **kwargs)`` under the guard (its frame ends the stack walks).
 
@@ -456,6 +487,7 @@ class Guard:
         self._protected = {_storage(args[position]): [name, args[position].numel(), 0]
                            for position, name in self.no_copy
                            if position < len(args) and type(args[position]) is torch.Tensor}
+        self._table = _table(self.no_table, args)
         with _compile_stance(), self:
             result = target(*args, **kwargs)
         if self.ops and self.operations_seen == 0 and _new_tensor(result, args, kwargs):
@@ -791,7 +823,8 @@ def evaluate(request: dict, namespace: dict, report=None) -> dict:
     guard = Guard(request.get("ops"), request.get("refused", ()), request.get("package"),
                   [tuple(item) for item in request.get("allowed", ())], report,
                   [tuple(item) for item in request.get("functions", ())],
-                  [tuple(item) for item in request.get("no_copy", ())])
+                  [tuple(item) for item in request.get("no_copy", ())],
+                  request.get("no_table"))
     for number, case in enumerate(request["cases"] if answer["found"] else []):
         if request["kind"] == "value":
             result, args = target, []

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .exercise import Case, Exercise, hidden_regimes
-from .harness import COPY_OF, SWITCHES_OFF
+from .harness import COPY_OF, SWITCHES_OFF, TABLE_OF
 
 NOT_IMPLEMENTED = "not answered yet"
 OUT_OF_MEMORY = ("can't allocate memory", "Cannot allocate memory", "out of memory",
@@ -85,6 +85,9 @@ class Judgement:
             if what.endswith(SWITCHES_OFF):
                 return (f"switches off the check of the operations it runs "
                         f"({what.removesuffix(SWITCHES_OFF).strip()}), which no exercise allows")
+            if what.startswith(TABLE_OF):
+                return (f"makes {what}, which this exercise does not allow: it works tile by "
+                        "tile, so what it holds grows as T, not T²")
             if what.startswith(COPY_OF):
                 return (f"makes {what}, which this exercise does not allow: compute with the "
                         "tensors as they were given (views are free; a copy is not)")

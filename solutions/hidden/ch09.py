@@ -6,8 +6,8 @@ import math
 import torch
 
 from course_attn.grading.cases import randint, randn
-from course_attn.grading.ch09 import (COUNTS, PAD, TRITON_BLOCK, exponent_case, far_below,
-                                      padded_inputs, random_qkv, rising_keys,
+from course_attn.grading.ch09 import (COUNTS, PAD, TRITON_BLOCK, backward_case, exponent_case,
+                                      far_below, padded_inputs, random_qkv, rising_keys,
                                       split_states, tile_case)
 from course_attn.grading.exercise import Case, hidden
 
@@ -356,3 +356,45 @@ def _(gen):
     yield exponent_case("tiled", lengths, 16 * randint(1, 4, gen))
     yield exponent_case(("naive", "tiled")[randint(0, 1, gen)], (t, 2 * t, 4 * t),
                         16 * randint(1, 4, gen))
+
+
+# ch09.flash_backward: every seed draws Tq = Tk, Tq < Tk and Tq > Tk (causal: rows that see no
+# key), with and without the causal mask, with a gradient on lse and without one, lengths that
+# are and are not multiples of the block, and a single block. Ignoring dlse is wrong wherever
+# dlse is not 0; a tile mask misaligned is wrong where Tq != Tk.
+def _sizes(case):
+    q, k, *_ = case.args
+    return q.shape[-2], k.shape[-2], case.args[8]
+
+
+@hidden("ch09.flash_backward", regimes={
+    "Tq = Tk": lambda case: _sizes(case)[0] == _sizes(case)[1],
+    "Tq < Tk": lambda case: _sizes(case)[0] < _sizes(case)[1],
+    "Tq > Tk, causal (rows that see no key)": lambda case: _sizes(case)[0] > _sizes(case)[1]
+        and case.args[7],
+    "causal": lambda case: case.args[7],
+    "not causal": lambda case: not case.args[7],
+    "a gradient on lse": lambda case: bool(case.args[6].abs().sum() > 0),
+    "no gradient on lse": lambda case: bool(case.args[6].abs().sum() == 0),
+    "a partial last block": lambda case: any(t % _sizes(case)[2] for t in _sizes(case)[:2]),
+    "a single block": lambda case: max(_sizes(case)[:2]) <= _sizes(case)[2],
+})
+def _(gen):
+    block = 8 * randint(1, 2, gen)                              # 8 or 16
+    d = 4 * randint(1, 2, gen)              # 4 or 8: below every length of a multi-block case
+    t = block * randint(2, 3, gen) + randint(1, block - 1, gen)
+    yield backward_case(f"Tq = Tk = {t}, blocks of {block}", 1, 2, t, t, d, d, block, gen,
+                        is_causal=bool(randint(0, 1, gen)))
+    tq = randint(block + 1, 2 * block, gen)
+    tk = tq + randint(block, 3 * block, gen)
+    yield backward_case(f"causal, Tq = {tq} < Tk = {tk}", 2, 1, tq, tk, d, d // 2, block, gen,
+                        is_causal=True)
+    tk = randint(block + 1, 2 * block, gen)
+    tq = tk + randint(2, 2 * block, gen)
+    yield backward_case(f"causal, Tq = {tq} > Tk = {tk}", 1, 2, tq, tk, d, d, block, gen,
+                        is_causal=True)
+    t = randint(2, block, gen)
+    yield backward_case(f"one block, T = {t}", 1, 1, t, t, d, d, block, gen, dlse=False)
+    tq, tk = randint(block + 1, 3 * block, gen), randint(block + 1, 3 * block, gen)
+    yield backward_case(f"not causal, Tq = {tq}, Tk = {tk}, no gradient on lse", 1, 2, tq, tk,
+                        d, d, block, gen, dlse=False)
