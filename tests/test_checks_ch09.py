@@ -553,6 +553,37 @@ def test_chunked_attention_half_repairs_are_named(chunked):
     assert_fails(CHUNKED, large_negative, PADDED, hint="running max starts above")
 
 
+def test_chunked_attention_in_two_passes_scores_0_naming_the_second_read(chunked):
+    """Issue 31: a global max first and the sums after scored 3/3, though it is not the online
+    softmax the exercise repairs. It reads k twice; so does a copy of k read after."""
+    def two_passes(q, k, v, bias, chunk):
+        scale = q.shape[-1] ** -0.5
+        top = torch.full((q.shape[0],), float("-inf"))
+        for start in range(0, k.shape[0], chunk):
+            s = (q @ k[start:start + chunk].T) * scale + bias[:, start:start + chunk]
+            top = torch.maximum(top, s.max(dim=-1).values)
+        mass, numer = torch.zeros(q.shape[0]), torch.zeros(q.shape[0], v.shape[-1])
+        for start in range(0, k.shape[0], chunk):
+            s = (q @ k[start:start + chunk].T) * scale + bias[:, start:start + chunk]
+            w = torch.exp(s - top[:, None])
+            mass, numer = mass + w.sum(-1), numer + w @ v[start:start + chunk]
+        return numer / mass[:, None]
+
+    def copied_first(q, k, v, bias, chunk):
+        return chunked.chunked_attention(q, k.clone(), v, bias, chunk)
+    for fn, reason in ((two_passes, "reads k a second time, in torch.Tensor.matmul (it runs "
+                                    "aten.mm)"),
+                       (copied_first, "makes a copy of k: torch.Tensor.clone (it runs "
+                                      "aten.clone)")):
+        judgement = run_exercise(get(CHUNKED), fn)
+        assert all(r.passed for r in judgement.results), fn.__name__   # right outputs
+        assert judgement.credit() == 0 and judgement.reason().startswith(reason), \
+            judgement.reason()
+    for seed in range(5):   # the one-pass repair reads each chunk once on every hidden case
+        assert run_exercise(get(CHUNKED), chunked.chunked_attention,
+                            hidden_cases(CHUNKED, seed)).passed
+
+
 def test_chunked_attention_may_not_call_a_softmax_or_the_package(chunked):
     def with_softmax(q, k, v, bias, chunk):
         return torch.softmax(q @ k.T / q.shape[-1] ** 0.5 + bias, dim=-1) @ v

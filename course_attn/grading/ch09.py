@@ -820,6 +820,9 @@ register(Exercise(
     reference=chunked_attention_reference, ops=ELEMENTARY,
     cases=_chunked_cases, compare=expect_close_tensor(1e-5, 1e-5),
     banned=NO_SOFTMAX_OR_LSE + NO_LIBRARY_ATTENTION[1:],
+    # the repair is in the running state: one pass, each chunk of keys and values read once
+    # (a global max first and the sums after reads them twice), and no copy to read again
+    read_once=((1, "k"), (2, "v")), no_copy=((1, "k"), (2, "v")),
     mistakes=(
         Mistake("a row whose scores all lie far below 0 (a padded query) gives NaN: the running "
                 "max starts above every one of its scores, so every exponential underflows to 0 "

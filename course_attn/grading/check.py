@@ -35,7 +35,8 @@ def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = Tru
                   [tuple(item) for item in options["allowed"]],
                   functions=[tuple(item) for item in options["functions"]],
                   no_copy=[tuple(item) for item in options["no_copy"]],
-                  no_table=options["no_table"]) \
+                  no_table=options["no_table"],
+                  read_once=[tuple(item) for item in options["read_once"]]) \
         if watch_banned else Guard()
     for case in cases:
         expected = exercise.expected(case)

@@ -83,7 +83,8 @@ class Exercise:
     named in ``allowed`` (and whatever they run). ``no_copy``: ((position, name)) of the
     tensor arguments the function must read where they are, never copy; ``no_table``: the
     positions of q, k and the block size of a tiled computation, which may not make a whole
-    (Tq, Tk) table (``harness.Guard``).
+    (Tq, Tk) table; ``read_once``: the arguments a one-pass computation reads only once
+    (``harness.Guard``).
     """
 
     key: str
@@ -99,6 +100,7 @@ class Exercise:
     task: str = "implement"  # one of TASKS
     no_copy: tuple[tuple[int, str], ...] = ()
     no_table: tuple[int, int, int] | None = None
+    read_once: tuple[tuple[int, str], ...] = ()
 
     @property
     def chapter(self) -> str:

@@ -36,6 +36,7 @@ MAX_DIMS = 64
 SWITCHES_OFF = "(it switches off the check of the operations it runs)"  # ends such a hit
 COPY_OF = "a copy of "  # starts a hit that copied an argument the exercise forbids copying
 TABLE_OF = "a whole table of scores "  # starts a hit that made a (Tq, Tk) tensor where tiles do
+READ_AGAIN = "a second read of "  # starts a hit that read an argument meant to be read once
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
     torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)}
@@ -294,6 +295,8 @@ class _Operations(torch.utils._python_dispatch.TorchDispatchMode):
             guard._check_copy(func, args, kwargs or {}, out)
         if guard.armed and guard._table:
             guard._check_table(func, out)
+        if guard.armed and guard._once:
+            guard._check_reads(func, args, kwargs or {}, out)
         return out
 
 
@@ -346,6 +349,9 @@ class Guard:
     a hit, ``a copy of k: torch.Tensor.reshape (it runs aten.clone)``. ``no_table``: (position
     of q, of k, of the block size) for a tiled computation: a tensor whose last two axes are
     (Tq, Tk), or (Tk, Tq), is a hit where tiles are smaller than that (Tq and Tk above the block).
+    ``read_once``: ((position, name)) of arguments a one-pass computation reads once: once the
+    operations that read them (views excepted) have read more elements than one holds, that is
+    a hit, ``a second read of k: torch.Tensor.__matmul__ (it runs aten.mm)``.
 
     Where the function may run no operation at all (``ops`` empty: an answer worked out with
     arithmetic), a profiler in the calling thread also sees the package's Python code that
@@ -362,12 +368,14 @@ class Guard:
     """
 
     def __init__(self, ops=None, refused=(), package=None, allowed=(), report=None,
-                 functions=(), no_copy=(), no_table=None):
+                 functions=(), no_copy=(), no_table=None, read_once=()):
         self.ops = None if ops is None else frozenset(ops)
         self.no_copy = tuple((int(position), str(name)) for position, name in no_copy)
         self._protected = {}  # in the current call: storage -> [name, elements, copied so far]
         self.no_table = tuple(int(p) for p in no_table) if no_table else None
         self._table = None  # in the current call: the forbidden last two axes
+        self.read_once = tuple((int(position), str(name)) for position, name in read_once)
+        self._once = {}  # in the current call: storage -> [name, elements, read so far]
         self.refused = frozenset(_stem(name) for name in refused)
         self.functions = {(file, qualname): name for file, qualname, name in functions}
         self.packages = ()
@@ -477,6 +485,19 @@ class Guard:
                           (f"{called} (it runs {op})" if called else op))
                 return
 
+    def _check_reads(self, func, args, kwargs, out) -> None:
+        made = {_storage(t) for t in _tensors(out)}
+        for tensor in _tensors((args, kwargs)):
+            count = self._once.get(_storage(tensor))
+            if count is None or _storage(tensor) in made:
+                continue
+            count[2] += tensor.numel()
+            if count[2] > count[1] >= count[2] - tensor.numel():
+                called = getattr(self._local, "function", None)
+                op = str(func.overloadpacket)
+                self._hit(f"{READ_AGAIN}{count[0]}: " +
+                          (f"{called} (it runs {op})" if called else op))
+
     def call(self, target, args, kwargs):
         """``target(*args, **kwargs)`` under the guard (its frame ends the stack walks).
 
@@ -488,6 +509,9 @@ class Guard:
                            for position, name in self.no_copy
                            if position < len(args) and type(args[position]) is torch.Tensor}
         self._table = _table(self.no_table, args)
+        self._once = {_storage(args[position]): [name, args[position].numel(), 0]
+                      for position, name in self.read_once
+                      if position < len(args) and type(args[position]) is torch.Tensor}
         with _compile_stance(), self:
             result = target(*args, **kwargs)
         if self.ops and self.operations_seen == 0 and _new_tensor(result, args, kwargs):
@@ -824,7 +848,8 @@ def evaluate(request: dict, namespace: dict, report=None) -> dict:
                   [tuple(item) for item in request.get("allowed", ())], report,
                   [tuple(item) for item in request.get("functions", ())],
                   [tuple(item) for item in request.get("no_copy", ())],
-                  request.get("no_table"))
+                  request.get("no_table"),
+                  [tuple(item) for item in request.get("read_once", ())])
     for number, case in enumerate(request["cases"] if answer["found"] else []):
         if request["kind"] == "value":
             result, args = target, []

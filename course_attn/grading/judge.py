@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .exercise import Case, Exercise, hidden_regimes
-from .harness import COPY_OF, SWITCHES_OFF, TABLE_OF
+from .harness import COPY_OF, READ_AGAIN, SWITCHES_OFF, TABLE_OF
 
 NOT_IMPLEMENTED = "not answered yet"
 OUT_OF_MEMORY = ("can't allocate memory", "Cannot allocate memory", "out of memory",
@@ -85,6 +85,10 @@ class Judgement:
             if what.endswith(SWITCHES_OFF):
                 return (f"switches off the check of the operations it runs "
                         f"({what.removesuffix(SWITCHES_OFF).strip()}), which no exercise allows")
+            if what.startswith(READ_AGAIN):
+                name, _, how = what.removeprefix(READ_AGAIN).partition(": ")
+                return (f"reads {name} a second time, in {how}, which this exercise does not "
+                        "allow: it takes each chunk once, in one pass")
             if what.startswith(TABLE_OF):
                 return (f"makes {what}, which this exercise does not allow: it works tile by "
                         "tile, so what it holds grows as T, not T²")

@@ -126,7 +126,8 @@ def guard_options(exercise, package: str | None, *, imports: bool = True) -> dic
     exercise bans ``"course_attn"``) and the package's functions it may run all the same
     (``allowed``: file relative to the package, and qualified name); the arguments it may not
     copy (``no_copy``: position and name); the positions of q, k and the block size of a tiled
-    computation, which may not make a whole (Tq, Tk) table (``no_table``). Without ``imports``, a
+    computation, which may not make a whole (Tq, Tk) table (``no_table``); the arguments a
+    one-pass computation reads once (``read_once``). Without ``imports``, a
     refused function whose module is not imported yet is left out (``check()`` in a notebook
     need not import torch's compiler to refuse a function the notebook never imported; the
     grader imports them all)."""
@@ -151,7 +152,8 @@ def guard_options(exercise, package: str | None, *, imports: bool = True) -> dic
             "package": package if "course_attn" in exercise.banned else None,
             "allowed": allowed,
             "no_copy": [list(item) for item in exercise.no_copy],
-            "no_table": list(exercise.no_table) if exercise.no_table else None}
+            "no_table": list(exercise.no_table) if exercise.no_table else None,
+            "read_once": [list(item) for item in exercise.read_once]}
 
 
 def _code_of(dotted: str, imports: bool = True):
