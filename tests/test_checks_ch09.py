@@ -606,11 +606,28 @@ def test_the_given_attentions_are_the_graders(measured):
     from course_attn.grading import ch09
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(100, 16, generator=g) for _ in range(3))
-    for name in ("naive", "tiled"):
+    assert list(measured.ATTENTIONS) == list(ch09.ATTENTIONS) == ["naive", "tiled", "growing"]
+    for name in ("naive", "tiled", "growing"):
         assert torch.equal(measured.ATTENTIONS[name](q, k, v), ch09.ATTENTIONS[name](q, k, v))
         expected = course_attn.scaled_dot_product_attention(q[None, None], k[None, None],
                                                             v[None, None])[0, 0]
         torch.testing.assert_close(measured.ATTENTIONS[name](q, k, v), expected)
+
+
+def test_memory_exponent_cannot_be_answered_without_measuring():
+    """Issue 31: returning the chapter's {naive: 2, tiled: 1} scored full marks. The growing
+    tiles have no formula; at heads of 16 and 64 their exponents differ by more than both
+    tolerances, so any number typed in for them fails every seed."""
+    from course_attn.grading.judge import Answer, judge_case
+    exercise = get(EXPONENT)
+    for seed in range(5):
+        cases = hidden_cases(EXPONENT, seed)
+        expected = [exercise.expected(case) for case in cases]
+        for guess in [1.0 + i / 20 for i in range(21)]:
+            typed_in = {"naive": 2.0, "tiled": 1.0, "growing": guess}
+            judged = [judge_case(exercise, case, want, Answer(value=typed_in[case.args[0]]))
+                      for case, want in zip(cases, expected)]
+            assert not all(result.passed for result in judged), (guess, seed)
 
 
 def test_the_measured_exponent_is_stable_and_separates_naive_from_tiled():
@@ -621,7 +638,7 @@ def test_the_measured_exponent_is_stable_and_separates_naive_from_tiled():
         name, lengths, dim = case.args
         first = memory_exponent_reference(*case.args)
         assert memory_exponent_reference(*case.args) == first
-        expected = (1.6, 2.05) if name == "naive" else (0.95, 1.05)
+        expected = {"naive": (1.6, 2.05), "tiled": (0.95, 1.05), "growing": (1.05, 1.6)}[name]
         assert expected[0] <= first <= expected[1], (case.name, first)
         assert _exponent_tolerance(name, tuple(lengths), dim) < 0.3
 
