@@ -535,7 +535,7 @@ ONE_LAYER, THREE_LAYERS, CUT = "L=1, W=4, T=24", "L=3, W=4, T=24", \
     "the reach is cut at position 0: L=5, W=4, T=10"
 
 
-def receptive_field(layers, window, length, seed, *, extra=0, causal_only=False,
+def receptive_field(layers, window, length, seed, dilation=1, *, extra=0, causal_only=False,
                     every_output=False, count=False, backward=False):
     """The notebook's solution; the keywords make it a typical mistake (a window of W + extra
     keys, a mask only causal, the gradient of every output, the number of positions) or another
@@ -544,9 +544,12 @@ def receptive_field(layers, window, length, seed, *, extra=0, causal_only=False,
     x = torch.randn(1, length, 8, generator=g, requires_grad=True)
     pos = torch.arange(length)
     back = pos[:, None] - pos[None, :]
-    allowed = (back >= 0) if causal_only else (back >= 0) & (back < window + extra)
+    windows = window if isinstance(window, list) else [window] * layers
+    dilations = dilation if isinstance(dilation, list) else [dilation] * layers
     h = x
-    for _ in range(layers):
+    for w, d in zip(windows, dilations):
+        allowed = (back >= 0) if causal_only else \
+            (back >= 0) & (back % d == 0) & (back // d < w + extra)
         wq, wk, wv = (torch.randn(8, 8, generator=g) / math.sqrt(8) for _ in range(3))
         scores = ((h @ wq) @ (h @ wk).transpose(-2, -1) / math.sqrt(8)).masked_fill(
             ~allowed, float("-inf"))
@@ -583,17 +586,43 @@ def test_receptive_field_mistakes_as_a_student_makes_them():
     assert_fails(FIELD, lambda *a: 7.5, ONE_LAYER, message="not a whole number")
 
 
-def test_the_measured_receptive_field_is_the_rule_on_every_seed():
-    """The reference measures L·(W - 1) + 1 positions, cut at position 0, for every model the
-    hidden cases draw; each measurement runs in well under a second."""
+def reach_by_search(layers, window, length, seed=0, dilation=1):
+    """The earliest position the last one reaches, from the masks alone: the positions seen
+    through the layers, top to bottom, each keeping its own input (the residual)."""
+    windows = window if isinstance(window, list) else [window] * layers
+    dilations = dilation if isinstance(dilation, list) else [dilation] * layers
+    seen = {length - 1}
+    for w, d in reversed(list(zip(windows, dilations))):
+        seen = {p - m * d for p in seen for m in range(w) if p - m * d >= 0}
+    return min(seen)
+
+
+def test_the_measured_receptive_field_is_the_reach_of_the_masks_on_every_seed():
+    """The reference measures, for every model the hidden cases draw, the reach a search over
+    the masks finds: L·(W - 1) + 1 positions cut at position 0 for one window; for dilated
+    layers, no formula; each measurement runs in well under a second."""
     import time
     reference = get(FIELD).reference
     for seed in range(30):
         for case in hidden_cases(FIELD, seed):
-            layers, window, length, _ = case.args
             start = time.perf_counter()
-            assert reference(*case.args) == max(0, length - 1 - layers * (window - 1)), case
+            assert reference(*case.args) == reach_by_search(*case.args), case
             assert time.perf_counter() - start < 1.0
+            if len(case.args) == 4:
+                layers, window, length, _ = case.args
+                assert reach_by_search(*case.args) == max(0, length - 1 - layers * (window - 1))
+
+
+def test_receptive_field_cannot_be_answered_with_a_formula():
+    """Issue 31: the chapter's formula scored full marks. Its natural extension to dilated
+    layers, T - 1 minus every layer's reach, cut at 0, fails on every seed: even dilations skip
+    position 0."""
+    def formula(layers, window, length, seed, dilation=1):
+        windows = window if isinstance(window, list) else [window] * layers
+        dilations = dilation if isinstance(dilation, list) else [dilation] * layers
+        return max(0, length - 1 - sum(d * (w - 1) for w, d in zip(windows, dilations)))
+    for seed in range(30):
+        assert not run_exercise(get(FIELD), formula, hidden_cases(FIELD, seed)).passed, seed
 
 
 def test_receptive_field_may_not_call_the_package_or_sdpa():

@@ -16,9 +16,10 @@
     ch11.window_decode          window_decode(q, k, v, window) -> (B, H, T, Dv): the repaired
                                 rolling-buffer decode loop (debug: the notebook gives it scoring
                                 the slots not written yet)
-    ch11.receptive_field        receptive_field(layers, window, length, seed) -> int: the
-                                earliest input position whose gradient on the last output is
-                                not 0, for a random model of L windowed layers (measure)
+    ch11.receptive_field        receptive_field(layers, window, length, seed, dilation=1) -> int:
+                                the earliest input position whose gradient on the last output
+                                is not 0, for a random model of L windowed layers, each with
+                                its own window and dilation where lists are given (measure)
 
 Tasks: window_mask and local_attention_block are warm-ups (the chapter states the one's rule
 and writes the other as its loop's body); rolling_index implements; window_budget derives;
@@ -502,20 +503,31 @@ register(Exercise(
 RF_DIM = 8  # the width of the reference's model: any width gives the same reach
 
 
-def receptive_field_reference(layers, window, length, seed):
+def per_layer(value, layers):
+    """An int for every layer, or a list with one per layer (the first layer's first)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value] * layers
+
+
+def dilated_window_mask(length, window, dilation=1):
+    """(T, T) bool: the query at position p sees the keys p, p - d, ..., p - (W - 1)·d."""
+    back = torch.arange(length)[:, None] - torch.arange(length)[None, :]
+    return (back >= 0) & (back % dilation == 0) & (back // dilation < window)
+
+
+def receptive_field_reference(layers, window, length, seed, dilation=1):
     """The earliest input position whose gradient on the last position's output is non-zero,
     for a random model (drawn with ``seed``) of ``layers`` residual layers of causal
-    sliding-window attention with ``window`` keys, on ``length`` positions. Measured, with
-    autograd, through the package's attention: its masked weights are exactly 0, so is every
-    gradient out of reach."""
+    sliding-window attention, layer l with ``window`` keys spaced ``dilation`` apart (each an
+    int, or a list with one per layer), on ``length`` positions. Measured, with autograd:
+    masked weights are exactly 0, so is every gradient out of reach."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, 1, length, RF_DIM, generator=g, dtype=torch.float64, requires_grad=True)
     h = x
-    for _ in range(layers):
+    for w, d in zip(per_layer(window, layers), per_layer(dilation, layers)):
         wq, wk, wv = (torch.randn(RF_DIM, RF_DIM, generator=g, dtype=torch.float64)
                       / math.sqrt(RF_DIM) for _ in range(3))
-        h = h + scaled_dot_product_attention(h @ wq, h @ wk, h @ wv, is_causal=True,
-                                             window=window)
+        h = h + scaled_dot_product_attention(h @ wq, h @ wk, h @ wv,
+                                             attn_mask=dilated_window_mask(length, w, d))
     (grad,) = torch.autograd.grad(h[0, 0, -1].sum(), x)
     return int((grad[0, 0] != 0).any(-1).nonzero()[0])
 
@@ -542,11 +554,19 @@ def _rf_cases():
                hint="here the reach just covers the sequence")
     yield Case("the reach is cut at position 0: L=5, W=4, T=10", (5, 4, 10, 4),
                hint="no position before 0: every input can reach the last output")
+    yield Case("a window of its own for each layer, the second dilated: windows [3, 4], "
+               "dilations [1, 3], T=16", (2, [3, 4], 16, 5, [1, 3]),
+               hint="build each layer's mask from its own window and dilation")
 
 
 def _rf_with(rule):
-    """A typical wrong measurement, from the reach it measures: ``rule(L, W, T)``."""
-    return lambda layers, window, length, seed: rule(layers, window, length)
+    """A typical wrong measurement, from the reach it measures: ``rule(L, W, T)`` (of one
+    window for every layer, no dilation)."""
+    def wrong(layers, window, length, seed, dilation=1):
+        if isinstance(window, (list, tuple)) or dilation != 1:
+            raise ValueError("one window for every layer only")
+        return rule(layers, window, length)
+    return wrong
 
 
 register(Exercise(

@@ -204,13 +204,25 @@ def _reach(rule):
     return lambda case: bool(rule(*case.args[:3]))
 
 
+# And two models the chapter has no formula for: a window of its own for every layer, dilated
+# (layer l's keys spaced d_l apart), reaching inside the sequence; and even dilations whose reach
+# would pass position 0 on a sequence of even length: every position reachable from T - 1 is odd,
+# so position 0 is skipped, and where the reach stops depends on which sums of the steps fit.
+def _plain(case):
+    return isinstance(case.args[1], int) and len(case.args) == 4
+
+
 @hidden("ch11.receptive_field", regimes={
     "the reach ends inside the sequence (T - 1 > L·(W - 1))":
-        _reach(lambda L, W, T: T - 1 > L * (W - 1)),
+        lambda case: _plain(case) and _reach(lambda L, W, T: T - 1 > L * (W - 1))(case),
     "the reach ends exactly at position 0 (T - 1 = L·(W - 1))":
-        _reach(lambda L, W, T: T - 1 == L * (W - 1)),
+        lambda case: _plain(case) and _reach(lambda L, W, T: T - 1 == L * (W - 1))(case),
     "the reach is cut at position 0 (T - 1 < L·(W - 1))":
-        _reach(lambda L, W, T: T - 1 < L * (W - 1)),
+        lambda case: _plain(case) and _reach(lambda L, W, T: T - 1 < L * (W - 1))(case),
+    "a window and a dilation of its own for every layer": lambda case: not _plain(case) and
+        1 in case.args[4],
+    "even dilations whose reach skips position 0": lambda case: not _plain(case) and
+        all(d % 2 == 0 for d in case.args[4]),
 })
 def _(gen):
     def model():
@@ -226,3 +238,17 @@ def _(gen):
     layers = max(layers, 2)
     t = randint(2, layers * (w - 1), gen)
     yield Case(f"L={layers}, W={w}, T={t}", (layers, w, t, seed))
+    layers, _, seed = model()
+    windows = [randint(2, 6, gen) for _ in range(layers)]
+    dilations = [1] + [randint(1, 3, gen) for _ in range(layers - 1)]
+    reach = sum(d * (w - 1) for w, d in zip(windows, dilations))
+    t = reach + 1 + randint(1, 8, gen)                              # ends inside
+    yield Case(f"L={layers}, windows {windows}, dilations {dilations}, T={t}",
+               (layers, windows, t, seed, dilations))
+    layers, _, seed = model()
+    windows = [randint(2, 5, gen) for _ in range(layers)]
+    dilations = [2 * randint(1, 2, gen) for _ in range(layers)]
+    reach = sum(d * (w - 1) for w, d in zip(windows, dilations))
+    t = 2 * randint((reach + 2) // 4, reach // 2, gen)              # even, T - 1 < reach
+    yield Case(f"L={layers}, windows {windows}, dilations {dilations}, T={t}",
+               (layers, windows, t, seed, dilations))
