@@ -151,11 +151,12 @@ def test_a_typical_mistake_gets_its_hint(graded):
     results, _ = graded
     tests = exercise_tests(results, "mistake")
     wrong = tests["ch01.softmax_list"]
-    assert wrong["score"] == 0 and wrong["status"] == "failed"
+    assert wrong["score"] < wrong["max_score"] and wrong["status"] == "failed"
     assert "hint: math.exp(1000) overflows" in wrong["output"], wrong["output"]
     assert all(t["score"] == t["max_score"] for name, t in tests.items()
                if name != "ch01.softmax_list")
-    assert results["score"] == MAX_POINTS + 0 + (MAX_POINTS - wrong["max_score"])
+    assert results["score"] == pytest.approx(
+        MAX_POINTS + wrong["score"] + (MAX_POINTS - wrong["max_score"]))
 
 
 # --- Gradescope, its parts ------------------------------------------------------------------

@@ -352,8 +352,10 @@ def test_json_report_matches_the_table(graded):
         assert rows == expected
         flags = [line.strip() for line in table if line.startswith("    flag: ")]
         assert all(f"flag: {flag}" in flags for flag in entry["flags"])
-    assert table[-1] == (f"all {len(report['notebooks'])} notebooks: "
+    assert table[-2] == (f"all {len(report['notebooks'])} notebooks: "
                          f"{report['total']:g} / {report['max']:g}")
+    assert table[-1].startswith("credit: by regime (")
+    assert {entry["credit"] for entry in report["notebooks"]} == {"by regime"}
 
 
 UNINTERRUPTIBLE = """import time

@@ -814,7 +814,8 @@ def test_an_attack_scores_0_with_a_reason_that_names_it(graded, name):
     attack = ATTACKS[name]
     grade, attacked = _attacked(graded, attack)
     # an answer in parts keeps the parts the attack left alone, and only those
-    parts = re.match(r"(\d+) of (\d+) parts right; ", attacked.reason)
+    parts = re.match(r"(\d+) of (\d+) (?:parts|regimes) right(?: \(failed: .*?\))?; "
+                     r"(?=\d+ of \d+ cases failed)", attacked.reason)
     share = int(parts[1]) / int(parts[2]) if parts else 0.0
     assert share < 1 and not attacked.passed, (attack.what, attacked.reason)
     assert attacked.points == round(attacked.max_points * share, 2), (attack.what, attacked)

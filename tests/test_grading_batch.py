@@ -231,7 +231,7 @@ def real_class(tmp_path_factory):
     (root / "fay.txt").write_text("I will hand it in next week\n")
     (root / ".DS_Store").write_bytes(b"\0")
     out = root / "grades"  # inside the class folder: the gradebook is not taken for a student
-    result = grade_class(root, out)
+    result = grade_class(root, out, "--all-or-nothing")   # cy's totals below: all or nothing
     _, json_path = gradebook_paths(out)
     book = json.loads(json_path.read_text()) if json_path.exists() else None
     points = {e.grade_id: e.points for chapter in ("ch02", "ch03")
@@ -245,6 +245,7 @@ def test_a_class_over_the_real_chapters(real_class):
     students = {s["student"]: s for s in book["students"]}
     assert list(students) == ["ada", "ben", "cy", "dee", "eve", "fay"]
     assert [e["grade_id"] for e in book["exercises"]] == list(points)
+    assert book["options"]["credit"] == "all or nothing"
     most = sum(points.values())
     ch03 = sum(p for gid, p in points.items() if gid.startswith("ch03"))
     missed_by_cy = points["ch02-attention"] + points["ch03-padding_mask"]

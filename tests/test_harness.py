@@ -496,8 +496,8 @@ def test_a_correct_answer_passes_and_a_wrong_one_names_its_case():
     assert verdict(correct_answer()) == (True, "passed", [])
     wrong = correct_answer()
     wrong["results"][-1] = {"value": encode(torch.zeros(1, dtype=torch.bool))}
-    passed, reason, flags = verdict(wrong)
-    assert not passed and re.search(r"\(first, a hidden case(?: \(.+?\))?: your result has shape "
+    credit, reason, flags = verdict(wrong)
+    assert credit < 1 and re.search(r"\(first, a hidden case(?: \(.+?\))?: your result has shape "
                                     r"\(1,\)", reason), reason
 
 

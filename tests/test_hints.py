@@ -65,3 +65,40 @@ def test_no_hint_states_the_formula_the_exercise_asks_for(key):
 def test_the_rule_catches_a_hint_that_gives_the_number():
     assert numbers_in({"a": 12, "b": 0.5, "c": 3}) == ["12", "12.00", "0.5", "0.50"]
     assert re.search(r"(?<![\w.])" + re.escape("12") + r"(?![\w])", "the answer is 12 tokens")
+
+
+def one_entry_off(value, part=""):
+    """``value`` with one entry changed (the first of its first tensor), which no typical
+    mistake gives; what holds no tensor is changed everywhere (test_hidden_regimes)."""
+    import torch
+    from test_hidden_regimes import changed
+    if isinstance(value, torch.Tensor) and value.numel():
+        value = value.clone()
+        flat = value.view(-1) if value.is_contiguous() else value.reshape(-1)
+        flat[0] = ~flat[0] if value.dtype == torch.bool else flat[0] + 0.37 if \
+            value.is_floating_point() else flat[0] + 1
+        return flat.view(value.shape)
+    if isinstance(value, (tuple, list)) and value:
+        return type(value)([one_entry_off(value[0]), *value[1:]])
+    if isinstance(value, dict) and value:
+        key = part or next(iter(value))
+        return {**value, key: one_entry_off(value[key])}
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return type(value)(value * 1.37 + 3)       # off by a factor no mistake makes
+    return changed(value, part)
+
+
+@pytest.mark.parametrize("key", sorted(EXERCISES))
+def test_a_wrong_answer_that_is_no_declared_mistake_gets_no_named_hint(key):
+    """An answer with one entry off, which no typical mistake gives, is told what differs,
+    and no mistake is named."""
+    from course_attn.grading.judge import Answer, judge_case
+    import torch
+    exercise = EXERCISES[key]
+    for case in exercise.public_cases()[:3]:
+        expected = exercise.expected(case)
+        if isinstance(expected, torch.Tensor) and expected.numel() < 2:
+            continue   # its one entry changed may well be a typical mistake
+        wrong = one_entry_off(expected, case.part)
+        result = judge_case(exercise, case, expected, Answer(value=wrong))
+        assert not result.passed and not result.named, (case.name, result.hint)

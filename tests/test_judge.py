@@ -151,3 +151,41 @@ def test_a_failed_hidden_case_names_its_regimes():
     regime = "Tq > Tk by more than one (rows with no key)"
     assert f"a hidden case ({regime}): your result: 1 of" in judgement.reason()
     assert {r.regimes for r in judgement.results if not r.passed} == {(regime,)}
+
+
+def test_an_answer_in_one_piece_earns_each_regime_it_passes_when_the_grader_says_so():
+    """Issue 31: 10 of 16 cases right scored 0. By regime (the grader's default), each regime of
+    the hidden cases whose every case passes earns its share; a refused call still earns
+    nothing; all or nothing (--all-or-nothing, and check() in a notebook) is as before."""
+    from helpers import SOLUTIONS_DIR
+
+    from course_attn.grading.exercise import hidden_cases, load_hidden
+    load_hidden(SOLUTIONS_DIR)
+    exercise = get("ch03.causal_mask")
+
+    def past_three(tq, tk):   # wrong only where Tq > Tk + 3
+        return torch.ones(tq, tk, dtype=torch.bool).tril(0 if tq - tk > 3 else tk - tq)
+    cases = exercise.public_cases() + hidden_cases(exercise.key, 0)
+    results = [judge_case(exercise, case, exercise.expected(case), Answer(value=past_three(
+        *case.args)), hidden=i >= len(exercise.public_cases())) for i, case in enumerate(cases)]
+    by_regime = Judgement(exercise.key, results=results, by_regime=True)
+    assert by_regime.parts() == {"Tq = Tk": True, "Tq < Tk (queries at the end of the keys)": True,
+                                 "Tq > Tk by more than one (rows with no key)": False,
+                                 "Tq = 1 (one decoding step)": True}
+    assert by_regime.credit() == pytest.approx(3 / 4)
+    assert by_regime.reason().startswith(
+        "3 of 4 regimes right (failed: Tq > Tk by more than one (rows with no key)); ")
+    assert Judgement(exercise.key, results=results).credit() == 0       # all or nothing
+    assert Judgement(exercise.key, results=results, by_regime=True,
+                     banned=["torch.tril"]).credit() == 0
+
+
+def test_the_report_says_which_credit_rule_was_used():
+    from course_attn.grading.cli import _parser
+    from course_attn.grading.report import NotebookGrade, format_table
+    assert _parser().parse_args(["x", "--all-or-nothing"]).all_or_nothing
+    assert not _parser().parse_args(["x"]).all_or_nothing
+    table = format_table([NotebookGrade("a.ipynb", credit="by regime")])
+    assert table.splitlines()[-1].startswith("credit: by regime (an answer in one piece earns")
+    assert NotebookGrade("a.ipynb", credit="all or nothing").to_dict()["credit"] == \
+        "all or nothing"

@@ -105,6 +105,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="run the kernels without the operating-system sandbox (bubblewrap): "
                              "a submission can then reach the grader, the solutions and the "
                              "other kernels; every report records it")
+    parser.add_argument("--all-or-nothing", action="store_true",
+                        help="an exercise earns its points only when every case passes (default: "
+                             "each regime of its hidden cases that it passes earns its share); "
+                             "every report says which rule was used")
     parser.add_argument("--checks-module", action="append", default=[], metavar="MODULE",
                         help="a module that registers exercises outside course_attn.grading, "
                              "imported by the grader (repeatable)")
@@ -162,7 +166,7 @@ def _main(argv: list[str] | None) -> int:
     options = GradingOptions(args.timeout, args.notebook_timeout, args.memory_mb,
                              tuple(args.checks_module),
                              extra_path=module_folders(args.checks_module),
-                             sandbox=not args.no_sandbox)
+                             sandbox=not args.no_sandbox, all_or_nothing=args.all_or_nothing)
     if args.gradebook is not None:
         book = grade_class(Path(args.paths[0]), args.gradebook, solutions_dir=args.solutions,
                            options=options, workers=args.workers)

@@ -19,7 +19,9 @@ each submitted notebook:
 4. *Judge* (``judge.py``): the grader computes every expected output itself and compares. An
    exercise scores its points when every case passes and no refused operation was run. An
    answer in several parts (a dict of counts or predictions, each case judging one key) earns
-   the share of its parts whose every case passes, the points split evenly among the parts.
+   the share of its parts whose every case passes, the points split evenly among the parts;
+   an answer in one piece, the share of the regimes of its hidden cases whose every case
+   passes (``--all-or-nothing``: all cases or nothing). A refused operation costs every point.
    The reason shows a failed case whose answer is a typical mistake's, so that its hint names
    the mistake, the public ones first; else the first failed case.
 
@@ -122,7 +124,9 @@ class GradingOptions:
     ``extra_path``: folders the kernel needs on its PYTHONPATH for them. ``hidden_seed``: the
     seed of the hidden cases (None: a fresh one per notebook). ``sandbox``: run each kernel in
     the operating-system sandbox (``sandbox.py``); False only at the instructor's explicit
-    ``--no-sandbox``, which every report records."""
+    ``--no-sandbox``, which every report records. ``all_or_nothing``: an exercise answered in
+    one piece earns its points only when every case passes (``--all-or-nothing``); else each
+    regime of its hidden cases that it passes earns its share (``judge.Judgement.parts``)."""
 
     cell_timeout: float = CELL_TIMEOUT_S
     notebook_timeout: float = NOTEBOOK_TIMEOUT_S
@@ -131,6 +135,11 @@ class GradingOptions:
     extra_path: tuple[str, ...] = ()
     hidden_seed: int | None = None
     sandbox: bool = True
+    all_or_nothing: bool = False
+
+    @property
+    def credit_rule(self) -> str:
+        return "all or nothing" if self.all_or_nothing else "by regime"
 
 
 @dataclass
@@ -224,10 +233,11 @@ def _answers(evaluation: Evaluation) -> list[Answer]:
     return answers
 
 
-def _verdict(evaluation: Evaluation, runs: dict[int, CellRun], label, memory_mb: int
-             ) -> tuple[float, str, list[str]]:
-    """The share of the points earned (``Judgement.credit``: all or nothing, or by parts for
-    a multi-part answer), the reason, and flags, for one exercise."""
+def _verdict(evaluation: Evaluation, runs: dict[int, CellRun], label, memory_mb: int,
+             by_regime: bool = True) -> tuple[float, str, list[str]]:
+    """The share of the points earned (``Judgement.credit``: by parts for a multi-part answer,
+    by regime unless the instructor asked for all or nothing), the reason, and flags, for one
+    exercise."""
     exercise, run, flags = evaluation.graded.exercise, evaluation.run, []
     where = f"computing your {exercise.function} for the grader's inputs"
     reported = (evaluation.answer or {}).get("banned")
@@ -250,7 +260,7 @@ def _verdict(evaluation: Evaluation, runs: dict[int, CellRun], label, memory_mb:
                          f"kernel ({detail}); the submission may have interfered with it")
             return 0.0, f"the grader could not run your function ({detail})", flags
         return 0.0, _describe_run(run, where, memory_mb), flags
-    judgement = Judgement(exercise.key, banned=hits)
+    judgement = Judgement(exercise.key, banned=hits, by_regime=by_regime)
     if not evaluation.answer.get("found"):
         judgement.missing = True
         for index in evaluation.block:
@@ -351,6 +361,7 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
     canonical: Canonical | None = None
     missing = ""
     grade.sandbox = "bubblewrap" if options.sandbox else "none (--no-sandbox)"
+    grade.credit = options.credit_rule
     if grade.chapter is not None:
         try:
             canonical = canonical_for(grade.chapter)
@@ -397,7 +408,7 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
                 credit, reason, flags = 0.0, "check cell missing", []
             else:
                 credit, reason, flags = _verdict(evaluation, runs, restored.label,
-                                                 options.memory_mb)
+                                                 options.memory_mb, not options.all_or_nothing)
             grade.flags.extend(flags)
             grade.exercises.append(ExerciseScore(graded.grade_id,
                                                  round(graded.points * credit, 2),
@@ -448,7 +459,7 @@ def grade_notebooks(paths, *, solutions_dir: Path | str, cell_timeout: float = C
                     notebook_timeout: float = NOTEBOOK_TIMEOUT_S, memory_mb: int = MEMORY_MB,
                     check_modules: tuple[str, ...] = (), extra_path: tuple[str, ...] = (),
                     hidden_seed: int | None = None, jobs: int = 1, progress: bool = False,
-                    sandbox: bool = True) -> list[NotebookGrade]:
+                    sandbox: bool = True, all_or_nothing: bool = False) -> list[NotebookGrade]:
     """Grade each file in ``paths`` (``jobs`` at a time, in this process); never raises for a
     bad submission. ``batch.grade_files`` does the same in worker processes. Raises
     GraderError when ``sandbox`` is asked for and cannot be had here."""
@@ -456,7 +467,7 @@ def grade_notebooks(paths, *, solutions_dir: Path | str, cell_timeout: float = C
     if sandbox and sandboxes.unavailable():
         raise GraderError(sandboxes.unavailable())
     options = GradingOptions(cell_timeout, notebook_timeout, memory_mb, tuple(check_modules),
-                             tuple(extra_path), hidden_seed, sandbox)
+                             tuple(extra_path), hidden_seed, sandbox, all_or_nothing)
     canonical_for = lookup_in(prepare(solutions_dir, options.check_modules), solutions_dir)
     return run_sync(_grade_all)(list(paths), canonical_for, options, jobs, progress)
 

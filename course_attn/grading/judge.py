@@ -35,7 +35,10 @@ class CaseResult:
     hidden: bool = False
     named: bool = False  # the hint names a typical mistake (not the case's own hint)
     part: str = ""       # the part of a multi-part answer this case judges (Case.part)
-    regimes: tuple[str, ...] = ()  # of a hidden case: the regimes it lies in
+    regimes: tuple[str, ...] = ()  # the regimes of the exercise's hidden cases it lies in
+
+
+OTHER_CASES = "the cases in no regime"
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Judgement:
     results: list[CaseResult] = field(default_factory=list)
     banned: list[str] = field(default_factory=list)
     missing: bool = False  # the notebook does not define the function
+    by_regime: bool = False  # the grader's rule: an answer in one piece earns each regime it passes
 
     @property
     def passed(self) -> bool:
@@ -52,18 +56,32 @@ class Judgement:
 
     def parts(self) -> dict[str, bool]:
         """For a multi-part answer (cases with ``part``): each part, in the order asked, and
-        whether every case that judges it passed. {} for an answer judged as one."""
-        if len(self.results) < 2 or not all(r.part for r in self.results):
+        whether every case that judges it passed. {} for an answer judged as one, unless
+        ``by_regime``: then each regime of the exercise's hidden cases is a part, passed when
+        every case in it (public or hidden) passed, and the cases in no regime one more."""
+        if len(self.results) < 2:
             return {}
-        parts: dict[str, bool] = {}
+        if all(r.part for r in self.results):
+            parts: dict[str, bool] = {}
+            for r in self.results:
+                parts[r.part] = parts.get(r.part, True) and r.passed
+            return parts if len(parts) > 1 else {}
+        if not self.by_regime or not any(r.regimes for r in self.results):
+            return {}
+        regimes: dict[str, bool] = {}
         for r in self.results:
-            parts[r.part] = parts.get(r.part, True) and r.passed
-        return parts if len(parts) > 1 else {}
+            for regime in r.regimes or (OTHER_CASES,):
+                regimes[regime] = regimes.get(regime, True) and r.passed
+        return regimes if len(regimes) > 1 else {}
+
+    def _by_regime(self, parts) -> bool:
+        return bool(parts) and not all(r.part for r in self.results)
 
     def credit(self) -> float:
         """The share of the points earned: 1 when every case passes; for a multi-part answer,
-        the share of its parts whose every case passes (the points split evenly among the
-        parts); 0 otherwise, and always 0 with a refused call or no answer."""
+        or by regime (``by_regime``), the share of its parts whose every case passes (the
+        points split evenly among the parts); 0 otherwise, and always 0 with a refused call or
+        no answer."""
         if self.missing or self.banned or not self.results:
             return 0.0
         if self.passed:
@@ -110,7 +128,11 @@ class Judgement:
         where = (f"a hidden case ({'; '.join(shown.regimes)})" if shown.regimes else
                  "a hidden case") if shown.hidden else repr(shown.name)
         parts = self.parts()
-        right = (f"{sum(parts.values())} of {len(parts)} parts right; " if parts else "")
+        if self._by_regime(parts):
+            wrong = "; ".join(regime for regime, passed in parts.items() if not passed)
+            right = f"{sum(parts.values())} of {len(parts)} regimes right (failed: {wrong}); "
+        else:
+            right = f"{sum(parts.values())} of {len(parts)} parts right; " if parts else ""
         which = "first" if shown is failed[0] else "one that names the mistake"
         text = f"{right}{len(failed)} of {len(self.results)} cases failed ({which}, {where}: " \
                f"{shown.message}"
@@ -252,7 +274,7 @@ def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
     right. A hidden case that fails names the regimes it lies in."""
     name, part = case.name, case.part
     regimes = tuple(regime for regime, holds in hidden_regimes(exercise.key).items()
-                    if _holds(holds, case)) if hidden else ()
+                    if _holds(holds, case))
 
     def failed(message, hint="", named=False):
         return CaseResult(name, False, message, hint, hidden, named, part, regimes)
@@ -282,7 +304,7 @@ def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
     if answer.mutated_argument is not None:
         return failed(f"your function changed its argument {answer.mutated_argument + 1} in "
                       "place", "compute a new tensor or list instead of writing into the input")
-    return CaseResult(name, True, hint=case.hint, hidden=hidden, part=part)
+    return CaseResult(name, True, hint=case.hint, hidden=hidden, part=part, regimes=regimes)
 
 
 def _holds(predicate, case) -> bool:

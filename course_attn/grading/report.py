@@ -37,6 +37,7 @@ class NotebookGrade:
     grader_error: bool = False
     seconds: float = 0.0
     sandbox: str = ""  # how its kernel was isolated: "bubblewrap, cgroup limits", or "none"
+    credit: str = ""   # the rule for an answer in one piece: "by regime" or "all or nothing"
 
     @property
     def total(self) -> float:
@@ -52,7 +53,7 @@ class NotebookGrade:
                 "exercises": [{"exercise": e.exercise, **asdict(e)} for e in self.exercises],
                 "flags": list(self.flags), "error": self.error,
                 "grader_error": self.grader_error, "seconds": round(self.seconds, 2),
-                "sandbox": self.sandbox}
+                "sandbox": self.sandbox, "credit": self.credit}
 
 
 def report(grades: list[NotebookGrade]) -> dict:
@@ -80,6 +81,13 @@ def write_json(path: Path | str, data) -> None:
     write_atomically(path, json.dumps(data, indent=2) + "\n")
 
 
+CREDIT_RULES = {
+    "by regime": "an answer in one piece earns the share of the regimes of its hidden cases "
+                 "that it passes; --all-or-nothing for all or nothing",
+    "all or nothing": "an exercise earns its points only when every case passes",
+}
+
+
 def format_table(grades: list[NotebookGrade]) -> str:
     """The score table: one row per exercise, a total row per notebook, flags under it."""
     rows = [("notebook", "exercise", "points", "reason")]
@@ -99,4 +107,6 @@ def format_table(grades: list[NotebookGrade]) -> str:
     if len(grades) > 1:
         total, most = sum(g.total for g in grades), sum(g.max_points for g in grades)
         lines.append(f"all {len(grades)} notebooks: {total:g} / {most:g}")
+    for rule in sorted({g.credit for g in grades if g.credit}):
+        lines.append(f"credit: {rule} ({CREDIT_RULES[rule]})")
     return "\n".join(lines)
