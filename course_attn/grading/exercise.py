@@ -176,6 +176,15 @@ def hidden(key: str, regimes: Mapping[str, Callable[[Case], bool]] | None = None
     return decorate
 
 
+def credit_parts(key: str) -> str:
+    """What an exercise's points are split into when the grader gives partial credit: "N
+    parts" for a multi-part answer, "N regimes" (of its hidden cases) for one in one piece."""
+    parts = {case.part for case in get(key).public_cases() if case.part}
+    if len(parts) > 1:
+        return f"{len(parts)} parts"
+    return f"{len(hidden_regimes(key))} regimes"
+
+
 def hidden_regimes(key: str) -> dict[str, Callable[[Case], bool]]:
     """The regimes ``key``'s hidden cases declare (see ``hidden``); {} if none."""
     return dict(_REGIMES.get(key, {}))
