@@ -4,8 +4,8 @@ import os
 
 collect_ignore_glob = ["_build/*", ".venv/*", "tests/fixtures/*"]
 
-# `make test` runs pytest-xdist's workers (`-n auto --dist loadfile`: each file on one worker,
-# so that nbval's cells of a notebook run in order in one kernel). A worker takes the next file
+# `make test` runs pytest-xdist's workers (`-n <cores + 1> --dist loadfile`: each file on one
+# worker, so that nbval's cells of a notebook run in order in one kernel). A worker takes the next file
 # in collection order; a long file taken last would leave the other workers idle, so the
 # slowest files (measured with --durations, issue 35) come first.
 SLOWEST_FIRST = [f"tests/test_{name}.py" for name in (
