@@ -189,3 +189,20 @@ def test_the_report_says_which_credit_rule_was_used():
     assert table.splitlines()[-1].startswith("credit: by regime (an answer in one piece earns")
     assert NotebookGrade("a.ipynb", credit="all or nothing").to_dict()["credit"] == \
         "all or nothing"
+
+
+def test_an_error_that_says_what_the_student_did_gets_its_own_hint_not_the_cases():
+    """Issue 31: a .view after a transpose in chapter 4 was given a case's hint about
+    causality."""
+    exercise = get("ch04.causal_self_attention")
+
+    def viewed(x, w_qkv, w_o, n_heads):
+        b, t, c = x.shape
+        q = (x @ w_qkv.T)[..., :c].view(b, t, n_heads, c // n_heads).transpose(1, 2)
+        return q.view(b, t, c) @ w_o.T            # the heads' axis in the way: not a view
+    raised = [r for r in run_exercise(exercise, viewed, watch_banned=False).results
+              if "RuntimeError: view size is not compatible" in r.message]
+    assert len(raised) >= 3    # every case with more than one head
+    for result in raised:
+        assert result.hint.startswith("your .view met a tensor whose memory is not laid out"), \
+            (result.name, result.hint)

@@ -139,6 +139,21 @@ class Judgement:
         return text + (f"; hint: {shown.hint})" if shown.hint else ")")
 
 
+# Hints for errors that say by themselves what the student did, whatever the exercise: shown in
+# place of the case's own hint, which would speak of something else (issue 31: a `.view` after a
+# transpose was told about causality).
+ERROR_HINTS = (
+    ("view size is not compatible with input tensor's size and stride",
+     "your .view met a tensor whose memory is not laid out in that order (after a transpose or "
+     "a permute, a view cannot merge those axes): .reshape copies where it must"),
+)
+
+
+def error_hint(error: dict) -> str:
+    message = str(error.get("message") or "")
+    return next((hint for sign, hint in ERROR_HINTS if sign in message), "")
+
+
 def describe_error(error: dict) -> str:
     if error.get("type") == "NotImplementedError":
         return NOT_IMPLEMENTED
@@ -282,7 +297,8 @@ def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
         if answer.error.get("type") == "NotImplementedError":
             return failed(describe_error(answer.error))
         named = name_the_error(exercise, case, answer.error)
-        return failed(describe_error(answer.error), named or case.hint, bool(named))
+        return failed(describe_error(answer.error), named or error_hint(answer.error) or
+                      case.hint, bool(named))
     if answer.unsendable:
         return failed(f"your function returned {answer.unsendable}, which is not a tensor, "
                       "number, string or list of them", case.hint)
