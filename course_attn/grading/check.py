@@ -31,13 +31,7 @@ def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = Tru
     judgement = Judgement(exercise.key)
     cases = exercise.public_cases() if cases is None else cases
     options = guard_options(exercise, PACKAGE_DIR, imports=False)
-    guard = Guard(options["ops"], options["refused"], options["package"],
-                  [tuple(item) for item in options["allowed"]],
-                  functions=[tuple(item) for item in options["functions"]],
-                  no_copy=[tuple(item) for item in options["no_copy"]],
-                  no_table=options["no_table"],
-                  read_once=[tuple(item) for item in options["read_once"]]) \
-        if watch_banned else Guard()
+    guard = Guard.from_options(options) if watch_banned else Guard()
     for case in cases:
         expected = exercise.expected(case)
         if exercise.kind == "value":

@@ -291,12 +291,13 @@ class _Operations(torch.utils._python_dispatch.TorchDispatchMode):
         if guard.armed:
             guard._check_operation(func)
         out = func(*args, **(kwargs or {}))
-        if guard.armed and guard._protected:
-            guard._check_copy(func, args, kwargs or {}, out)
-        if guard.armed and guard._table:
-            guard._check_table(func, out)
-        if guard.armed and guard._once:
-            guard._check_reads(func, args, kwargs or {}, out)
+        if guard.armed:  # what the exercise declares of how an answer computes (Guard)
+            if guard._protected:
+                guard._check_copy(func, args, kwargs or {}, out)
+            if guard._table:
+                guard._check_table(func, out)
+            if guard._once:
+                guard._check_reads(func, args, kwargs or {}, out)
         return out
 
 
@@ -311,6 +312,14 @@ def _tensors(value) -> list:
 
 def _storage(tensor) -> int:
     return tensor.untyped_storage().data_ptr()
+
+
+def _watched(arguments, args) -> dict:
+    """Storage -> [name, elements, counted so far] of the tensors among ``args`` that
+    ``arguments`` ((position, name)) names."""
+    return {_storage(args[position]): [name, args[position].numel(), 0]
+            for position, name in arguments
+            if position < len(args) and type(args[position]) is torch.Tensor}
 
 
 def _table(positions, args):
@@ -366,6 +375,16 @@ class Guard:
     made while the guard saw no operation at all (all the work done where it cannot see) is a
     hit of its own (``call``).
     """
+
+    @classmethod
+    def from_options(cls, options: dict, report=None) -> "Guard":
+        """The guard that ``operations.guard_options`` (as plain data: a grader's request, or
+        ``check()``'s options) asks for."""
+        def pairs(key):
+            return [tuple(item) for item in options.get(key, ())]
+        return cls(options.get("ops"), options.get("refused", ()), options.get("package"),
+                   pairs("allowed"), report, pairs("functions"), pairs("no_copy"),
+                   options.get("no_table"), pairs("read_once"))
 
     def __init__(self, ops=None, refused=(), package=None, allowed=(), report=None,
                  functions=(), no_copy=(), no_table=None, read_once=()):
@@ -454,8 +473,13 @@ class Guard:
             return
         op = str(getattr(func, "overloadpacket", func))
         if self.ops is not None and op not in self.ops:
-            called = getattr(self._local, "function", None)
-            self._hit(f"{called} (it runs {op})" if called else op)
+            self._hit(self._route(op))
+
+    def _route(self, op: str) -> str:
+        """``op`` named by the torch function the student called, where one was seen:
+        ``torch.Tensor.reshape (it runs aten.clone)``."""
+        called = getattr(self._local, "function", None)
+        return f"{called} (it runs {op})" if called else op
 
     def _check_copy(self, func, args, kwargs, out) -> None:
         """After an operation, while a ``no_copy`` argument is guarded: count what it wrote
@@ -471,32 +495,25 @@ class Guard:
         copied = sum(t.numel() for t in (written or _tensors(out)) if _storage(t) != source)
         count[2] += copied
         if copied and count[2] >= count[1] > 0 and count[2] - copied < count[1]:
-            called = getattr(self._local, "function", None)
-            op = str(func.overloadpacket)
-            self._hit(f"{COPY_OF}{count[0]}: " + (f"{called} (it runs {op})" if called else op))
+            self._hit(f"{COPY_OF}{count[0]}: {self._route(str(func.overloadpacket))}")
 
     def _check_table(self, func, out) -> None:
         for tensor in _tensors(out):
             if tensor.dim() >= 2 and tuple(tensor.shape[-2:]) in self._table:
-                called = getattr(self._local, "function", None)
-                op = str(func.overloadpacket)
                 rows, cols = tensor.shape[-2:]
-                self._hit(f"{TABLE_OF}({rows}, {cols}): " +
-                          (f"{called} (it runs {op})" if called else op))
+                self._hit(f"{TABLE_OF}({rows}, {cols}): {self._route(str(func.overloadpacket))}")
                 return
 
     def _check_reads(self, func, args, kwargs, out) -> None:
         made = {_storage(t) for t in _tensors(out)}
         for tensor in _tensors((args, kwargs)):
-            count = self._once.get(_storage(tensor))
-            if count is None or _storage(tensor) in made:
+            storage = _storage(tensor)
+            count = self._once.get(storage)
+            if count is None or storage in made:
                 continue
             count[2] += tensor.numel()
             if count[2] > count[1] >= count[2] - tensor.numel():
-                called = getattr(self._local, "function", None)
-                op = str(func.overloadpacket)
-                self._hit(f"{READ_AGAIN}{count[0]}: " +
-                          (f"{called} (it runs {op})" if called else op))
+                self._hit(f"{READ_AGAIN}{count[0]}: {self._route(str(func.overloadpacket))}")
 
     def call(self, target, args, kwargs):
         """``target(*args, **kwargs)`` under the guard (its frame ends the stack walks).
@@ -505,13 +522,9 @@ class Guard:
         the guard saw none, torch's dispatch was hidden from it (a dispatch key excluded around
         the work), and that is a hit."""
         self.operations_seen = 0
-        self._protected = {_storage(args[position]): [name, args[position].numel(), 0]
-                           for position, name in self.no_copy
-                           if position < len(args) and type(args[position]) is torch.Tensor}
+        self._protected = _watched(self.no_copy, args)
         self._table = _table(self.no_table, args)
-        self._once = {_storage(args[position]): [name, args[position].numel(), 0]
-                      for position, name in self.read_once
-                      if position < len(args) and type(args[position]) is torch.Tensor}
+        self._once = _watched(self.read_once, args)
         with _compile_stance(), self:
             result = target(*args, **kwargs)
         if self.ops and self.operations_seen == 0 and _new_tensor(result, args, kwargs):
@@ -844,12 +857,7 @@ def evaluate(request: dict, namespace: dict, report=None) -> dict:
     name = request["name"]
     answer = {"found": name in namespace, "results": [], "mutated": [], "banned": []}
     target = namespace.get(name)
-    guard = Guard(request.get("ops"), request.get("refused", ()), request.get("package"),
-                  [tuple(item) for item in request.get("allowed", ())], report,
-                  [tuple(item) for item in request.get("functions", ())],
-                  [tuple(item) for item in request.get("no_copy", ())],
-                  request.get("no_table"),
-                  [tuple(item) for item in request.get("read_once", ())])
+    guard = Guard.from_options(request, report)
     for number, case in enumerate(request["cases"] if answer["found"] else []):
         if request["kind"] == "value":
             result, args = target, []
