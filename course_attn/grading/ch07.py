@@ -206,22 +206,20 @@ exec(GROUPED_GIVEN, _given)
 _grouped_given = _given["grouped_attention"]
 
 
-def _grouped_half_repaired(q, k, v):
-    """The queries stacked in their groups, the output's heads put back tiled."""
-    b, h, tq, d = q.shape
-    hkv = k.shape[1]
-    scores = q.reshape(b, hkv, -1, d) @ k.transpose(-2, -1) / math.sqrt(d)
-    out = (scores.softmax(dim=-1) @ v).reshape(b, hkv, h // hkv, tq, -1).transpose(1, 2)
-    return out.reshape(b, h, tq, -1)
-
-
-def _grouped_tiled_queries(q, k, v):
-    """The queries stacked tiled, the output's heads read back in groups."""
-    b, h, tq, d = q.shape
-    hkv = k.shape[1]
-    q = q.reshape(b, h // hkv, hkv, tq, d).transpose(1, 2).reshape(b, hkv, -1, d)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d)
-    return (scores.softmax(dim=-1) @ v).reshape(b, h, tq, -1)
+def _grouped_with(*, tiled_queries, tiled_output):
+    """The given function repaired on one side only: the query heads stacked in their groups
+    or tiled, the output's heads read back in groups or tiled."""
+    def fn(q, k, v):
+        b, h, tq, d = q.shape
+        hkv = k.shape[1]
+        if tiled_queries:
+            q = q.reshape(b, h // hkv, hkv, tq, d).transpose(1, 2)
+        scores = q.reshape(b, hkv, -1, d) @ k.transpose(-2, -1) / math.sqrt(d)
+        out = scores.softmax(dim=-1) @ v                    # (B, Hkv, H / Hkv · Tq, Dv)
+        if tiled_output:
+            out = out.reshape(b, hkv, h // hkv, tq, -1).transpose(1, 2)
+        return out.reshape(b, h, tq, -1)
+    return fn
 
 
 def grouped_attention_reference(q, k, v):
@@ -269,9 +267,10 @@ register(Exercise(
         Mistake(TILED_GROUPS, _grouped_given),
         Mistake("your query heads are stacked in their groups, but the output's heads are put "
                 "back in the tiled order: query head h's output lands at another head's place",
-                _grouped_half_repaired),
+                _grouped_with(tiled_queries=False, tiled_output=True)),
         Mistake("your output's heads are read back in groups, but the query heads were stacked "
-                "tiled: each group's stack holds the wrong query heads", _grouped_tiled_queries),
+                "tiled: each group's stack holds the wrong query heads",
+                _grouped_with(tiled_queries=True, tiled_output=False)),
     ),
 ))
 

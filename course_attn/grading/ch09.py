@@ -993,24 +993,31 @@ def _visible(tq, tk, is_causal, device=None):
     return causal_mask(tq, tk, device=device)
 
 
+def _masked_scores(q, k, is_causal):
+    """(..., Tq, Tk): q kᵀ / sqrt(D), -inf where a query may not see the key."""
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return s.masked_fill(~_visible(q.shape[-2], k.shape[-2], is_causal, q.device), INF)
+
+
+def _weights_from_lse(s, lse):
+    """P = exp(s - lse), row by row; 0 in a row that sees no key (lse = -inf)."""
+    return torch.exp(s - torch.where(lse == INF, 0.0, lse)[..., None])
+
+
 def flash_forward_reference(q, k, v, is_causal=False):
     """(out, lse) in float64: out (B, H, Tq, Dv), lse (B, H, Tq), -inf (and out 0) for a row
     that sees no key."""
-    s = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    s = s.masked_fill(~_visible(q.shape[-2], k.shape[-2], is_causal, q.device), INF)
+    s = _masked_scores(q.double(), k.double(), is_causal)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(lse == INF, 0.0, lse)[..., None])
-    return (p @ v.double()).to(q.dtype), lse.to(q.dtype)
+    return (_weights_from_lse(s, lse) @ v.double()).to(q.dtype), lse.to(q.dtype)
 
 
 def _flash_grads(q, k, v, out, lse, dout, dlse, is_causal, *, rowsum=True, with_lse=True,
                  times_p=True, dlse_sign=1.0):
     """dq, dk, dv of the dense computation, with one of the typical mistakes switched on."""
     scale = 1 / math.sqrt(q.shape[-1])
-    s = (q @ k.transpose(-2, -1)) * scale
-    s = s.masked_fill(~_visible(q.shape[-2], k.shape[-2], is_causal, q.device), INF)
-    p = torch.exp(s - torch.where(lse == INF, 0.0, lse)[..., None]) if with_lse else \
-        torch.exp(s)
+    s = _masked_scores(q, k, is_causal)
+    p = _weights_from_lse(s, lse) if with_lse else torch.exp(s)
     dv = p.transpose(-2, -1) @ dout
     dp = dout @ v.transpose(-2, -1)
     rows = (dout * out).sum(-1, keepdim=True) if rowsum else 0.0
@@ -1038,8 +1045,9 @@ def backward_inputs(b, h, tq, tk, d, dv, seed, *, is_causal=False, dlse=True):
                for t, width in ((tq, d), (tk, d), (tk, dv)))
     out, lse = flash_forward_reference(q, k, v, is_causal)
     dout = randn(b, h, tq, dv, seed=g, dtype=torch.float64)
-    grad = randn(b, h, tq, seed=g, dtype=torch.float64) if dlse else torch.zeros(b, h, tq,
-                                                                                   dtype=torch.float64)
+    # zeros draw nothing from g, so the cases drawn after this one stay as they were
+    grad = (randn(b, h, tq, seed=g, dtype=torch.float64) if dlse else
+            torch.zeros(b, h, tq, dtype=torch.float64))
     return q, k, v, out, lse, dout, grad, is_causal
 
 
