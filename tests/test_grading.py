@@ -38,6 +38,27 @@ CELL_TIMEOUT_S = 20
 MEMORY_MB = 1024
 OPTIONS = ["--timeout", str(CELL_TIMEOUT_S), "--memory-mb", str(MEMORY_MB), *FIXTURE_OPTIONS]
 POINTS = {"ch99-double": 2, "ch99-row_sum": 3, "ch99-normalize": 2, "ch99-count_positive": 3}
+SPAWNS_AFTER_THE_FIRST_GRADED_CALL = """import subprocess
+
+try:
+    subprocess.run(["true"])
+    STARTED = True
+except PermissionError:
+    STARTED = False
+
+def row_sum(x):
+    return x if STARTED else x.sum(dim=-1)
+"""
+NORMALIZES_IN_A_POOL = """import multiprocessing
+
+def _row(row):
+    return row / row.sum()
+
+def normalize(x):
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        rows = pool.map(_row, list(x.reshape(-1, x.shape[-1])))
+    return torch.stack(rows).reshape(x.shape)
+"""
 LEFT_BEHIND = "97.25"  # `sleep 97.25`: a process the "dies" submission starts before it dies
 
 FORGE_THE_CHECK_CELLS = """import re
@@ -133,9 +154,17 @@ def submissions(folder: Path) -> dict[str, Path]:
             "ch99-normalize": "pass\n",
         }, delete=("ch99-count_positive",)),
         "dies": made("99_dies.ipynb", replace={
-            "ch99-row_sum-solution": "import os\nimport subprocess\n\n"
-                                     f"subprocess.Popen(['sleep', '{LEFT_BEHIND}'])\n\n"
-                                     "def row_sum(x):\n    os._exit(1)\n",
+            "ch99-double-solution": "import subprocess\n\n"
+                                    f"subprocess.Popen(['sleep', '{LEFT_BEHIND}'])\n\n"
+                                    "def double(x):\n    return 2 * x\n",
+            "ch99-row_sum-solution": "import os\n\ndef row_sum(x):\n    os._exit(1)\n",
+        }),
+        "spawns": made("99_spawns.ipynb", replace={
+            "ch99-double-solution": "import subprocess\n\n"
+                                    f"subprocess.Popen(['sleep', '{LEFT_BEHIND}'])\n\n"
+                                    "def double(x):\n    return 2 * x\n",
+            "ch99-row_sum-solution": SPAWNS_AFTER_THE_FIRST_GRADED_CALL,
+            "ch99-normalize-solution": NORMALIZES_IN_A_POOL,
         }),
         "segfault": made("99_segfault.ipynb", replace={
             "ch99-row_sum-solution": "import ctypes\n\ndef row_sum(x):\n"
@@ -282,6 +311,30 @@ def test_after_the_kernel_dies_the_later_exercises_keep_their_points(graded, nam
 def test_processes_that_a_dead_kernel_left_behind_are_killed(graded):
     assert graded["by_name"]["dies"]["exercises"][1]["reason"].startswith("the kernel died")
     assert live_processes(LEFT_BEHIND) == []
+
+
+ENDED = ("1 process(es) that the notebook's cells started were ended before {} was graded (no "
+         "points lost: a graded call runs in the kernel alone, and from then on the kernel can "
+         "start no process)")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_a_graded_call_runs_in_the_kernel_alone(graded):
+    """Issue 30: a child started in a cell is ended before the first graded call, with a note
+    and no point lost; from then on no process starts, in a cell or in a graded call."""
+    entry = graded["by_name"]["spawns"]
+    points = {gid: e["points"] for gid, e in scores(graded, "spawns").items()}
+    assert points == {"ch99-double": 2, "ch99-row_sum": 3, "ch99-normalize": 0,
+                      "ch99-count_positive": 3}
+    assert entry["notes"] == [ENDED.format("ch99-double")]
+    assert entry["flags"] == ["for review (no points lost): cell 4, cell 7, cell 10 starts "
+                              "another process (multiprocessing, subprocess, os.fork, os.system)"]
+    reason = scores(graded, "spawns")["ch99-normalize"]["reason"]
+    assert "PermissionError" in reason and "can start no process" in reason, reason
+    assert live_processes(LEFT_BEHIND) == []
+    # the restarted kernel of "dies" ran the cell that starts a process again: ended again
+    assert graded["by_name"]["dies"]["notes"] == [ENDED.format("ch99-double"),
+                                                  ENDED.format("ch99-normalize")]
 
 
 def test_forgeries_and_patched_grading_code_are_worth_nothing(graded):

@@ -82,6 +82,8 @@ MACHINERY = review("replaces the kernel's own machinery (IPython's user_expressi
                    "replies)")
 RAW_THREADS = review("starts a thread that no check follows (_thread)")
 PROC = review("reads /proc")
+OBJECTS = review("rewrites or searches Python's own objects (builtins, code objects, "
+                 "__subclasses__)")
 SIGNALS = review("sends signals (os.kill)")
 
 
@@ -395,15 +397,69 @@ def stable_softmax(x, dim=-1):
     return torch.softmax(x, dim=dim)
 '''
 
-SOFTMAX_IN_A_POOL_STARTED_BEFORE = '''import multiprocessing
+GUARD_SOUGHT_THROUGH_FRAMES_BY_A_COMPUTED_NAME = '''import sys
 
-# forked before any graded call; one thread in the child, for OpenMP's pool does not survive
-# a fork (a large enough input would hang the child, and the attack end at the time limit)
-POOL = multiprocessing.get_context("fork").Pool(1, initializer=torch.set_num_threads,
-                                                initargs=(1,))
+_frames = getattr(sys, "_get" + "frame")            # no "_getframe" for a scan to read
 
 def stable_softmax(x, dim=-1):
-    return POOL.apply(torch.softmax, (x, dim))
+    frame = _frames(1)
+    while frame is not None:                         # up to the guard's frames, if any
+        for value in list(frame.f_locals.values()):
+            if hasattr(value, "refused"):
+                value.refused = frozenset()          # its settings emptied
+        frame = frame.f_back
+    return torch.softmax(x, dim=dim)
+'''
+
+HARNESS_REACHED_THROUGH_ITS_CLOSURE = '''def _silent():
+    hits_fd = None
+    def report(name):                                   # one free variable, as the harness's
+        return hits_fd
+    return report
+
+def stable_softmax(x, dim=-1):
+    for cls in ().__class__.__base__.__subclasses__():
+        if cls.__name__.startswith("CourseAttnHarness"):
+            for cell in cls.evaluate.__closure__ or ():   # the harness's report() and namespace
+                value = cell.cell_contents
+                if callable(value) and value.__name__ == "report":
+                    value.__code__ = _silent().__code__   # the guard's hits go nowhere
+    return torch.softmax(x, dim=dim)
+'''
+
+PREDICTION_COMPUTED = '''def fp16_fill(dtype, fill, scores):
+    """The reference's code, run rather than predicted."""
+    kind = {"float16": torch.float16, "float32": torch.float32}[dtype]
+    s = torch.tensor(scores).to(kind)
+    cast = torch.tensor(fill).to(kind)
+    allowed = torch.arange(len(scores)) % 2 == 0
+    try:
+        s.masked_fill(~allowed, fill)
+        masked = "fills"
+    except RuntimeError:
+        masked = "error"
+    return {"cast": cast.item(), "masked_fill": masked,
+            "dead_row": torch.softmax(s + cast, dim=-1).tolist()}
+'''
+
+A_CHILD_FED_THROUGH_PIPES = '''import subprocess
+import sys
+
+# started before any graded call, so no guard is in it: it reads rows, writes their softmax
+CHILD = subprocess.Popen(
+    [sys.executable, "-c", "import json, sys, torch\\nfor line in sys.stdin:\\n"
+     "    print(json.dumps(torch.softmax(torch.tensor(json.loads(line)), -1).tolist()), "
+     "flush=True)"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+'''
+
+SOFTMAX_IN_A_CHILD_STARTED_BEFORE = '''import json
+
+def stable_softmax(x, dim=-1):
+    CHILD.stdin.write(json.dumps(x.movedim(dim, -1).tolist()) + "\\n")
+    CHILD.stdin.flush()
+    rows = json.loads(CHILD.stdout.readline())
+    return torch.tensor(rows, dtype=x.dtype).movedim(-1, dim)
 '''
 
 SOFTMAX_BACKWARD_DATA = '''def softmax_backward(y, g, dim=-1):
@@ -526,6 +582,7 @@ class Attack:
     flags: tuple[str, ...] = ()
     how: str = "replace"
     gap: str | None = None
+    before: str = ""  # code of a cell put right after the setup cell, before any graded call
 
 
 FAILS = r"\d+ of \d+ cases failed \(first, "
@@ -657,11 +714,24 @@ ATTACKS = {
     "harness_sought_in_sys_modules": Attack(
         "issue 30: the harness looked for in sys.modules, to disarm its guard", "02_j",
         "ch02-stable_softmax", HARNESS_SOUGHT_IN_SYS_MODULES, banned("torch.softmax"), (C_CORE,)),
-    "softmax_in_a_fork_pool_started_before": Attack(
-        "issue 30: torch.softmax in a fork pool started before the graded calls (no guard in "
-        "that process; the tensor it sends back is rebuilt with aten.set_, which no softmax "
-        "exercise allows)", "02_k", "ch02-stable_softmax", SOFTMAX_IN_A_POOL_STARTED_BEFORE,
-        banned("aten.set_"), (PROCESSES,)),
+    "guard_sought_through_frames_by_a_computed_name": Attack(
+        "issue 30: the guard's settings emptied through frames found with getattr(sys, '_get' + "
+        "'frame')", "02_l", "ch02-stable_softmax", GUARD_SOUGHT_THROUGH_FRAMES_BY_A_COMPUTED_NAME,
+        banned("torch.softmax (it runs aten._softmax)"), (COMPUTED_NAMES,)),
+    "harness_reached_through_its_closure": Attack(
+        "issue 30: the harness's report() replaced through its class's __closure__, so that no "
+        "hit reaches the grader", "02_m", "ch02-stable_softmax",
+        HARNESS_REACHED_THROUGH_ITS_CLOSURE, banned("torch.softmax"),  # from the answer's record
+        (DUNDERS, OBJECTS)),
+    "prediction_computed": Attack(
+        "issue 30: ch03.fp16_fill computed with the reference's torch code, not predicted",
+        "03_d", "ch03-fp16_fill", PREDICTION_COMPUTED, banned("torch.tensor")),
+    "softmax_in_a_child_started_before": Attack(
+        "issue 30: torch.softmax in a python -c child started before the graded calls and fed "
+        "through pipes (no guard in that process): the grader ends it before the first graded "
+        "call, so the function writes to a pipe nobody reads", "02_k", "ch02-stable_softmax",
+        SOFTMAX_IN_A_CHILD_STARTED_BEFORE, FAILS + r".*BrokenPipeError.*", (PROCESSES,),
+        before=A_CHILD_FED_THROUGH_PIPES),
     "reference_in_a_raw_thread": Attack(
         "issue 8/18: the reference called from a thread that _thread started (no mode there; "
         "since issue 30 the answer, a tensor made while the guard saw no operation, scores 0)",
@@ -693,15 +763,10 @@ ATTACKS = {
         "issue 18 (found while writing these tests): the graded function records the grader's "
         "inputs and returns zeros; an override of get_ipython().user_expressions rewrites the "
         "answer in the Jupyter reply with the reference's outputs, computed after the guard: "
-        "the answer's fingerprint, which the harness sent on the grader's pipe, no longer fits",
+        "the grader reads the answer the harness wrote on its pipe, not the reply, so the "
+        "zeros are graded (and the override flagged)",
         "06_b", "ch06-rms_norm", ANSWER_FORGED_IN_THE_REPLY,
-        re.escape("the grader could not run your function (GraderError: the answer in the "
-                  "kernel's reply is not the one the grader's harness gave)"),
-        # gemma_rms_norm calls the notebook's rms_norm, so its answer is rewritten too
-        (r"ch06-(?:gemma_)?rms_norm: " + re.escape(
-            "the grader's evaluation failed in the kernel (GraderError: the answer in the "
-            "kernel's reply is not the one the grader's harness gave); the submission may have "
-            "interfered with it"), MACHINERY)),
+        FAILS + r".*your result differs from the expected one.*", (MACHINERY,)),
     "aten_repeat_interleave": Attack(
         "issue 18: torch.ops.aten.repeat_interleave", "07_a", "ch07-repeat_kv",
         ATEN_REPEAT_INTERLEAVE, banned("torch.ops.aten.repeat_interleave")),
@@ -772,7 +837,8 @@ def _submissions() -> dict[str, object]:
         notebooks[name] = edit(
             solution_notebook(source),
             replace={f"{a.gid}-solution": a.code for a in attacks if a.how == "replace"},
-            after={f"{a.gid}-solution": a.code for a in attacks if a.how == "after"})
+            after={**{f"{a.gid}-solution": a.code for a in attacks if a.how == "after"},
+                   **{f"{a.gid.split('-')[0]}-setup": a.before for a in attacks if a.before}})
     notebooks["03_blank_proc"] = blank_with_proc_reader()
     return notebooks
 
@@ -1149,12 +1215,21 @@ def _allocate():
     statuses = [os.waitpid(pid, 0)[1] for pid in pids]
     return all(status == 0 for status in statuses)
 
+_outcome.append(_allocate())   # in the cell: from the first graded call on, no fork
+
 def causal_mask(tq, tk):
-    if not _outcome:
-        _outcome.append(_allocate())
     if not _outcome[0]:
         raise MemoryError(f"not every one of {CHILDREN} children could fill {EACH_MB} MB")
     return torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq)
+'''
+
+HOG_THE_CPUS = '''import os
+
+for _ in range(8):   # eight busy children, each in a session of its own, never waited for
+    if os.fork() == 0:
+        os.setsid()
+        while True:
+            pass
 '''
 
 PRINT_A_GIGABYTE = '''line = "x" * 999_999
@@ -1174,6 +1249,7 @@ CLASS = {
         "SIGNAL", "SIGKILL")}}),
     "stops_its_parent": (CH03, False, {"after": {"ch03-setup": KILL_THE_PARENT.replace(
         "SIGNAL", "SIGSTOP")}}),
+    "hogs_the_cpus": (CH03, False, {"after": {"ch03-setup": HOG_THE_CPUS}}),
     "forks_a_memory_bomb": (CH03, False, {"replace": {
         "ch03-causal_mask-solution": FORKED_MEMORY_BOMB}}),
     "prints_a_gigabyte": (CH03, False, {"after": {"ch03-setup": PRINT_A_GIGABYTE}}),
@@ -1304,6 +1380,23 @@ def test_forked_children_cannot_use_more_memory_than_the_kernels_limit(graded_cl
               if gid not in ("ch03-causal_mask", "ch03-document_mask")}
     assert all(e["passed"] for e in others.values()), others
     _honest_classmates_keep_full_marks(graded_class)
+
+
+def test_a_cpu_hog_slows_only_itself_and_is_ended_before_its_graded_calls(graded_class):
+    """Issue 30: eight busy children started in a cell, each in its own session. Graded with
+    two workers, each sandbox holds one CPU's share (a cpu cgroup): the classmates graded
+    beside it keep their grades, with no flag and no note. Before the hog's first graded call
+    the grader ends the eight, with a note and no point lost."""
+    entry = _notebook(graded_class, "hogs_the_cpus")
+    assert entry["error"] is None and entry["total"] == entry["max"], entry["exercises"]
+    assert entry["notes"] == [
+        "8 process(es) that the notebook's cells started were ended before ch03-causal_mask "
+        "was graded (no points lost: a graded call runs in the kernel alone, and from then on "
+        "the kernel can start no process)"]
+    assert entry["sandbox"] in ("bubblewrap, cgroup limits, 1 CPUs", "bubblewrap, process limits")
+    _honest_classmates_keep_full_marks(graded_class)
+    for name in ("honest_ch02", "honest_ch03"):
+        assert _notebook(graded_class, name)["notes"] == []
 
 
 def test_a_gigabyte_of_output_is_cut_off_and_flagged(graded_class):

@@ -260,3 +260,127 @@ def test_a_symlinked_venv_and_a_long_tmpdir_grade_as_usual(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     (entry,) = json.loads(report.read_text())["notebooks"]
     assert entry["error"] is None and entry["total"] == entry["max"] > 0, entry
+
+
+FILL_THE_DISK = '''
+import errno
+import os
+
+written = 0
+try:
+    for number in range(8):      # 8 x 100 MB: past the working folder's 256 MB
+        with open(f"fill-{number}", "wb") as file:
+            for _ in range(100):
+                file.write(b"x" * (1 << 20))
+                written += 1
+except OSError as error:
+    assert error.errno == errno.ENOSPC, error
+else:
+    raise AssertionError("800 MB were written into the working folder")
+assert 200 <= written <= 260, written
+'''
+
+
+def test_what_the_kernel_writes_is_its_own_memory_not_the_hosts_disk(loop, tmp_path):
+    """Issue 30: the working folder is a tmpfs of 256 MB: writing 800 MB into it stops with
+    ENOSPC near 256 MB, and nothing of it reaches the host's disk (the scratch folder stays
+    small)."""
+    kernel = Kernel(tmp_path, 2048)
+    loop.run_until_complete(kernel.start())
+    try:
+        assert_holds(loop.run_until_complete(kernel.run(FILL_THE_DISK, LIMIT_S)))
+        on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*")
+                      if p.is_file() and not p.is_symlink())
+        assert on_disk < 64 << 20, on_disk  # the package's copy and the kernel's log
+    finally:
+        loop.run_until_complete(kernel.stop())
+
+
+BUSY_FOR_TWO_SECONDS = '''
+import os
+import resource
+import time
+
+children = []
+for _ in range(3):
+    pid = os.fork()
+    if pid == 0:
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            pass
+        os._exit(0)
+    children.append(pid)
+started = time.monotonic()
+for pid in children:
+    os.waitpid(pid, 0)
+wall = time.monotonic() - started
+cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+used = (cpu.ru_utime + cpu.ru_stime) / 2.0
+assert used <= SHARE * 1.25, f"three busy children used {used:.2f} CPUs of a {SHARE} share"
+'''
+
+
+def test_a_sandbox_uses_no_more_than_its_share_of_the_cpus(loop, tmp_path):
+    """Issue 30: with a share of half a CPU (the batch gives each worker's sandbox its share),
+    three children busy for 2 s use at most that share of CPU time, whatever the machine: a
+    CPU hog slows only itself. CPU time is what is measured, not a wall clock."""
+    kernel = Kernel(tmp_path, 2048, cpus=0.5)
+    loop.run_until_complete(kernel.start())
+    try:
+        if not kernel.limits.cpu_limited:
+            pytest.skip("no cpu cgroup for the kernel here (cgroup v1's cpu controller or a "
+                        "delegated v2 subtree with cpu are needed)")
+        assert kernel.env["OMP_NUM_THREADS"] == "1"
+        assert_holds(observe(loop, kernel, BUSY_FOR_TWO_SECONDS, SHARE=0.5))
+    finally:
+        loop.run_until_complete(kernel.stop())
+
+
+def test_once_confined_the_kernel_starts_no_process_and_keeps_its_threads(loop, tmp_path):
+    """Issue 30: ``Kernel.confine`` ends the processes the cells started (a sleeping child, a
+    fork pool's workers) and from then on fork, exec and a non-thread clone fail with EPERM in
+    every thread, while threads (and torch's thread pool) still run."""
+    kernel = Kernel(tmp_path, 2048)
+    loop.run_until_complete(kernel.start())
+    try:
+        assert_holds(observe(loop, kernel, '''
+            import multiprocessing, subprocess
+            sleeper = subprocess.Popen(["sleep", "300"])
+            pool = multiprocessing.get_context("fork").Pool(2)
+            assert pool.map(abs, [-1, -2]) == [1, 2]
+            '''))
+        problem, ended = loop.run_until_complete(kernel.confine(LIMIT_S))
+        assert (problem, kernel.confined) == ("", True)
+        assert ended >= 3, ended  # the sleeper and the pool's two workers
+        assert_holds(observe(loop, kernel, '''
+            import os, subprocess, threading, torch
+            assert sleeper.poll() is not None
+            for start in (os.fork, lambda: subprocess.run(["true"]),
+                          lambda: os.execv("/bin/true", ["true"])):
+                try:
+                    start()
+                except PermissionError:
+                    pass
+                else:
+                    raise AssertionError(f"{start} started a process")
+            failed = []
+            def in_a_thread():
+                try:
+                    os.fork()
+                    failed.append("fork in a thread")
+                except PermissionError:
+                    pass
+            thread = threading.Thread(target=in_a_thread)
+            thread.start()
+            thread.join()
+            assert not failed, failed
+            torch.set_num_threads(2)
+            x = torch.randn(512, 512)
+            assert torch.allclose(x @ x, (x.double() @ x.double()).float(), atol=1e-3)
+            def alive(pid):  # the pool's killed workers stay zombies until it reaps them
+                return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+            pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and alive(p)]
+            assert len(pids) == 2, pids   # bubblewrap's init and the kernel
+            '''))
+    finally:
+        loop.run_until_complete(kernel.stop())

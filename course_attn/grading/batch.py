@@ -27,11 +27,13 @@ Without ``--gradebook``: ``python -m course_attn.grade PATH...`` grades notebook
 """
 
 import csv
+import dataclasses
 import hashlib
 import io
 import json
 import multiprocessing
 import multiprocessing.connection
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -106,7 +108,9 @@ def _grade_submission(submission: Submission) -> NotebookGrade:
                                         _WORKER["options"], read_problem=submission.problem,
                                         path=str(submission.path), helpers=submission.helpers)
     killed = processes.kill_new_children(_WORKER["children"])
-    if killed:
+    if killed and not _WORKER["options"].sandbox:
+        # A sandbox's processes die with its PID namespace: what is left here is a sandbox
+        # still on its way out (under load it takes a while), which no submission started.
         grade.flags.append(f"{killed} process(es) that the submission left running were killed")
     return grade
 
@@ -149,6 +153,8 @@ def grade_files(submissions: list[Submission], canonicals: dict[str, Canonical |
     notebook keeps its grade."""
     grades: list[NotebookGrade | None] = [None] * len(submissions)
     attempts = [0] * len(submissions)
+    if workers > 1 and not options.cpus:  # a busy notebook slows its own worker, no other
+        options = dataclasses.replace(options, cpus=max(1.0, (os.cpu_count() or 1) / workers))
     todo = list(range(len(submissions)))
     context = multiprocessing.get_context("spawn")  # no fork of a process holding zmq sockets
     limit = watchdog_limit(options.notebook_timeout)
@@ -334,6 +340,7 @@ def build_gradebook(found: ClassSubmissions, grades: list[NotebookGrade],
             if grade.error:
                 notes.append(f"{name}: {grade.error}")
             notes += [f"{name}: {flag}" for flag in grade.flags]
+            notes += [f"{name}: {note}" for note in grade.notes]
             notebooks.append({**grade.to_dict(), "sha256": submission.sha256,
                               "counted": counted.get(grade.chapter) is grade})
         students.append({"student": student, "total": sum(scores.values()), "max": most,

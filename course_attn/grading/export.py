@@ -225,6 +225,7 @@ def gradescope_results(report: dict, submission: Path, *, visibility: str = "vis
                           "output": exercise["reason"], "visibility": visibility,
                           "status": "passed" if exercise["passed"] else "failed"})
         notes += [f"{shown}: {flag}" for flag in notebook["flags"]]
+        notes += [f"{shown}: {note}" for note in notebook.get("notes", [])]  # older: none
         if notebook["grader_error"]:
             notes.append(f"{shown}: the grader could not grade it; ask your instructor to regrade")
         notes.append(f"{shown}: {notebook['total']:g} / {notebook['max']:g} "

@@ -43,8 +43,13 @@ else: no ``solutions/``, no hidden cases, no repository, no other submission. So
 cannot change the grader's code or the package (read-only), forge another kernel's answers or
 reports (they travel on that kernel's own signed Jupyter channel and its own pipe), or kill the
 grader. Memory and the number of processes are limited for the whole tree (cgroups, where the
-grader may make them; else per process, and the report says ``limits: process``); a cell that
-prints more than ``kernel.MAX_OUTPUT_CHARS`` characters is interrupted. The batch runs each
+grader may make them; else per process, and the report says ``limits: process``), and so is its
+share of the CPUs when several notebooks are graded at once; what it writes goes to tmpfs of a
+fixed size, never the host's disk; a cell that prints more than ``kernel.MAX_OUTPUT_CHARS``
+characters is interrupted. Before its first graded call the kernel can start no process any
+more (a seccomp filter, checked from outside in ``/proc``; ``confine.py``), and every other
+process in the sandbox is ended, with a note and no point lost: a graded call runs in the
+kernel alone. The batch runs each
 notebook in a worker process under a watchdog: a worker that dies or stops answering is
 replaced, the notebook it held is graded once more and then scores 0 with the reason, and
 every other notebook keeps its grade.
@@ -66,15 +71,14 @@ by the file it is in. A refused operation is written to the grader's pipe the mo
 happens, so erasing the guard's record afterwards changes nothing. The grader's expression
 looks up no name in the student's namespace, and IPython's input transformers never see it.
 
-The harness also writes each answer's fingerprint on that pipe: an answer rewritten in the
-Jupyter reply after the harness gave it (an override of IPython's ``user_expressions``) does not
-fit its fingerprint, and scores 0 with a flag. Where an exercise is arithmetic (its allowlist is
-empty), a profiler in the calling thread also sees the package's pure-Python code.
+The answer travels on that pipe too, not in the Jupyter reply: an answer rewritten in the reply
+(an override of IPython's ``user_expressions``) changes nothing, and two answers for one call
+fail it. Where an exercise is arithmetic (its allowlist is empty), a profiler in the calling
+thread also sees the package's pure-Python code.
 
 *What remains*, deliberately: the guard and the harness live in the student's process, so a
-submission that pops torch's modes without being seen, runs its computation in a thread started
-with ``_thread``, or replaces IPython's machinery and writes its own fingerprint on the pipe,
-escapes the allowlist, though never the correctness of its answers: it must still produce the
+submission that pops torch's modes without being seen, or runs its computation in a thread
+started with ``_thread``, escapes the allowlist, though never the correctness of its answers: it must still produce the
 right outputs for inputs it has never seen. Such code is visible: the grader flags, for a human
 reviewer and without taking points, code that walks the stack, searches the interpreter's
 objects (``gc``), calls C (``ctypes``), reads ``/proc``, sends signals, hooks torch's dispatch,
@@ -100,7 +104,7 @@ from .cells import grade_id
 from .harness import SWITCHES_OFF, WireError, decode, encode
 from .operations import guard_options
 from .review import review_flags
-from .judge import Answer, Judgement, judge_case
+from .judge import NO_PROCESS, Answer, Judgement, judge_case
 from .kernel import MAX_OUTPUT_CHARS, OUT_OF_MEMORY, SCRATCH_PREFIX, CellRun, Kernel, \
     scratch_root
 from .notebook import ReadNotebook, chapter_of, parse_notebook, read_submission, shorten
@@ -126,7 +130,9 @@ class GradingOptions:
     the operating-system sandbox (``sandbox.py``); False only at the instructor's explicit
     ``--no-sandbox``, which every report records. ``all_or_nothing``: an exercise answered in
     one piece earns its points only when every case passes (``--all-or-nothing``); else each
-    regime of its hidden cases that it passes earns its share (``judge.Judgement.parts``)."""
+    regime of its hidden cases that it passes earns its share (``judge.Judgement.parts``).
+    ``cpus``: the CPUs' worth of time one notebook's sandbox may use (0: no limit); the batch
+    gives each of its workers' notebooks an equal share."""
 
     cell_timeout: float = CELL_TIMEOUT_S
     notebook_timeout: float = NOTEBOOK_TIMEOUT_S
@@ -136,6 +142,7 @@ class GradingOptions:
     hidden_seed: int | None = None
     sandbox: bool = True
     all_or_nothing: bool = False
+    cpus: float = 0.0
 
     @property
     def credit_rule(self) -> str:
@@ -176,6 +183,8 @@ def _describe_run(run: CellRun, where: str, memory_mb: int) -> str:
         return f"{run.ename} in your code ({where}): {shorten(run.evalue, 120)}"
     if run.ename == "SystemExit":
         return f"your code called sys.exit() ({where})"
+    if run.ename == "PermissionError" and "Operation not permitted" in run.evalue:
+        return f"{run.ename} in your code ({where}): {shorten(run.evalue, 120)} ({NO_PROCESS})"
     return f"{run.ename} in your code ({where}): {shorten(run.evalue, 160)}"
 
 
@@ -275,22 +284,28 @@ def _verdict(evaluation: Evaluation, runs: dict[int, CellRun], label, memory_mb:
 
 
 async def _run_notebook(nb, restored: Restored, evaluations: dict[int, Evaluation],
-                        options: GradingOptions, scratch: Path, helpers: dict
-                        ) -> tuple[dict[int, CellRun], list[str]]:
+                        options: GradingOptions, scratch: Path, helpers: dict,
+                        grade: NotebookGrade) -> tuple[dict[int, CellRun], list[str]]:
     """Run the restored notebook, evaluating each exercise where its check cell stands;
-    ``helpers`` (file name -> bytes) go into the kernel's working folder first."""
+    ``helpers`` (file name -> bytes) go into the kernel's working folder first. Returns the
+    cells' runs and the flags; what the student should know but costs nothing goes to the
+    grade's notes, and the limits its sandbox had to ``grade.sandbox``."""
     runs: dict[int, CellRun] = {}
     flags: list[str] = []
-    kernel = Kernel(scratch, options.memory_mb, options.extra_path, sandboxed=options.sandbox)
+    kernel = Kernel(scratch, options.memory_mb, options.extra_path, sandboxed=options.sandbox,
+                    cpus=options.cpus)
     for name, data in helpers.items():
         if Path(name).name == name and name.endswith(".py"):
-            (kernel.workdir / name).write_bytes(data)
+            (kernel.given / name).write_bytes(data)
     package = str(kernel.site / "course_attn")
     deadline = time.monotonic() + options.notebook_timeout
     replay: list[int] = []
     restarts = 0
     try:
         await kernel.start()
+        if options.sandbox:
+            grade.sandbox = f"bubblewrap, {kernel.limits.kind} limits" + (
+                f", {options.cpus:g} CPUs" if kernel.limits.cpu_limited else "")
         steps = [i for i, cell in enumerate(nb.cells)
                  if i in evaluations or (cell.cell_type == "code" and cell.source.strip())]
         for index in steps:
@@ -300,6 +315,20 @@ async def _run_notebook(nb, restored: Restored, evaluations: dict[int, Evaluatio
                              f"reached before {restored.label(index)}; the rest was not run")
                 break
             limit = min(options.cell_timeout, remaining)
+            if index in evaluations and not kernel.confined:
+                problem, ended = await kernel.confine(limit)
+                if ended:
+                    grade.notes.append(f"{ended} process(es) that the notebook's cells started were "
+                                 f"ended before {evaluations[index].graded.grade_id} was "
+                                 "graded (no points lost: a graded call runs in the kernel "
+                                 "alone, and from then on the kernel can start no process)")
+                if problem and options.sandbox:
+                    flags.append(f"the kernel could not be kept from starting processes "
+                                 f"({problem}); the rest of the notebook was not graded")
+                    break
+                if problem:
+                    flags.append(f"the kernel could not be kept from starting processes "
+                                 f"({problem})")
             if index in evaluations:
                 evaluation = evaluations[index]
                 evaluation.run, evaluation.answer, evaluation.hits = await kernel.evaluate(
@@ -396,7 +425,7 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
                                          ignore_cleanup_errors=True) as tmp:
             try:
                 runs, run_flags = await _run_notebook(nb, restored, evaluations, options,
-                                                      Path(tmp), helpers or {})
+                                                      Path(tmp), helpers or {}, grade)
                 grade.flags.extend(run_flags)
             except GraderError as error:
                 grade.error, grade.grader_error = str(error), True

@@ -890,15 +890,16 @@ def _changed_argument(args, before: str) -> int:
     return 0
 
 
-def install(namespace: dict, hits_fd: int, token: str) -> None:
+def install(namespace: dict, hits_fd: int, token: str, forbid_new_processes=None) -> None:
     """Set up the grader's side in a kernel, before any cell of the submission has run: keep
     the notebook's namespace, and define a class ``CourseAttnHarness_<token>`` through which
     the grader's expression reaches ``evaluate`` without looking a single name up in that
     namespace (``().__class__.__base__.__subclasses__()`` holds it; a student's variable
     named ``exec`` or ``json`` changes nothing). Hits are written to ``hits_fd``, a pipe only
-    the grader reads, the moment they happen: what is written cannot be taken back; and so is
-    each answer's fingerprint, so that an answer rewritten in the Jupyter reply after the
-    harness gave it is refused."""
+    the grader reads, the moment they happen: what is written cannot be taken back; so is the
+    answer, which the grader reads there rather than in the Jupyter reply.
+    ``forbid_new_processes`` (``confine.py``) is what the class's ``confine`` calls before the
+    first graded call; the grader checks from outside that it took hold."""
     def report(name):
         try:
             os.write(hits_fd, (json.dumps(name) + "\n").encode())
@@ -906,14 +907,24 @@ def install(namespace: dict, hits_fd: int, token: str) -> None:
             pass
 
     def run(request_json: str) -> str:
-        answer = json.dumps(evaluate(json.loads(request_json), namespace, report))
-        try:  # the answer's fingerprint, where the reply cannot reach: a rewritten reply fails
-            os.write(hits_fd, (json.dumps({"answer": answer_digest(answer)}) + "\n").encode())
-        except OSError:
-            pass
-        return answer
+        """Write the answer on the pipe (the grader reads it there, not in the reply)."""
+        line = (json.dumps({"answer": json.dumps(evaluate(json.loads(request_json), namespace,
+                                                          report))}) + "\n").encode()
+        view = memoryview(line)
+        while view:
+            view = view[os.write(hits_fd, view):]
+        return "answered"
 
-    harness = type(f"CourseAttnHarness_{token}", (), {"evaluate": staticmethod(run)})
+    def confine() -> str:
+        """'' once the kernel can start no process; else why not."""
+        try:
+            forbid_new_processes()
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+        return ""
+
+    harness = type(f"CourseAttnHarness_{token}", (), {"evaluate": staticmethod(run),
+                                                     "confine": staticmethod(confine)})
     _KEEP.append(harness)
     # Kept alive by the interpreter's exit handlers, which Python code cannot list, rather
     # than by a module table: nothing in sys.modules leads here (without an anchor, the
@@ -922,16 +933,12 @@ def install(namespace: dict, hits_fd: int, token: str) -> None:
     atexit.register(_KEEP.clear)
 
 
-def answer_digest(text: str) -> str:
-    """The fingerprint of an answer's JSON text, sent on the pipe beside the reply."""
-    import hashlib
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def expression(token: str, request: dict) -> str:
-    """The grader's user expression that runs ``request`` in a kernel set up by ``install``."""
+def expression(token: str, request: dict | None) -> str:
+    """The grader's user expression that runs ``request`` in a kernel set up by ``install``;
+    ``None``: the expression that confines the kernel (no new process from then on)."""
+    call = "confine()" if request is None else f"evaluate({json.dumps(request)!r})"
     return ("[c for c in ().__class__.__base__.__subclasses__() if c.__name__ == "
-            f"'CourseAttnHarness_{token}'][0].evaluate({json.dumps(request)!r})")
+            f"'CourseAttnHarness_{token}'][0].{call}")
 
 
 _KEEP: list = []

@@ -142,7 +142,10 @@ class Judgement:
 # Hints for errors that say by themselves what the student did, whatever the exercise: shown in
 # place of the case's own hint, which would speak of something else (issue 31: a `.view` after a
 # transpose was told about causality).
+NO_PROCESS = ("from its first graded exercise on, a graded notebook can start no process: no "
+              "subprocess, multiprocessing or shell command")
 ERROR_HINTS = (
+    ("[Errno 1] Operation not permitted", NO_PROCESS),  # what confine.py's filter answers
     ("view size is not compatible with input tensor's size and stride",
      "your .view met a tensor whose memory is not laid out in that order (after a transpose or "
      "a permute, a view cannot merge those axes): .reshape copies where it must"),

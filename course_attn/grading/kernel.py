@@ -4,11 +4,17 @@ with limits on memory, processes, time and output; it can be restarted.
 The kernel runs under bubblewrap (``sandbox.py``): its own user, PID and network namespaces, a
 read-only view of the system, the Python and the virtual environment, a read-only copy of
 ``course_attn`` (without the chapters' exercise declarations, whose references the grader
-alone needs), and one writable folder of its own. Nothing in it leads to ``solutions/``, the
-hidden cases, the repository or the other kernels. The grader's side of an evaluation is
-installed in the kernel before any cell of the submission runs (``harness.install``); the
-kernel answers in the Jupyter reply, signed with its own session key, and reports banned
-operations the moment they happen on a pipe that only the grader reads.
+alone needs), and nothing writable but memory: its working folder and ``/tmp`` are tmpfs of a
+fixed size, and it writes nothing to the host's disk. Its Jupyter sockets lie in its own
+``/tmp``, where the grader reaches them through ``/proc/<kernel>/root``. Nothing in it leads to
+``solutions/``, the hidden cases, the repository or the other kernels. The grader's side of an
+evaluation is installed in the kernel before any cell of the submission runs
+(``harness.install``); the kernel answers in the Jupyter reply, signed with its own session
+key, and reports banned operations the moment they happen on a pipe that only the grader reads.
+The answer travels on that pipe too, not in the reply: an override of IPython's machinery can
+rewrite the reply, not what the harness wrote, and a call must give exactly one answer.
+Before the first graded call the kernel is confined (``confine``): every other process in the
+sandbox is ended, and from then on it can start none.
 
 Without the sandbox (``sandboxed=False``: the instructor's explicit ``--no-sandbox``) the kernel
 runs as the grader's user, with per-process limits; every process it starts carries
@@ -30,6 +36,7 @@ from pathlib import Path
 
 from jupyter_client.manager import AsyncKernelManager
 
+from . import confine as process_filter
 from . import harness, processes, sandbox
 from .canonical import GraderError
 
@@ -40,6 +47,8 @@ OUT_OF_MEMORY = "out of memory"  # how a kernel that the memory cgroup killed en
 MAX_OUTPUT_CHARS = 20_000_000  # past this, a cell is interrupted: its output is not read
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 _HARNESS_SOURCE = Path(harness.__file__).read_text(encoding="utf-8")
+_CONFINE_SOURCE = Path(process_filter.__file__).read_text(encoding="utf-8")
+WORK_BYTES = 256 * 1024 * 1024  # the sandboxed kernel's working folder, a tmpfs
 _MEMORY_HINT = " (is the memory limit of {} MB too small? the kernel needs about 350 MB to " \
                "import torch)"
 # A Unix socket's address holds at most 107 bytes of path (sun_path, less its final NUL, on
@@ -101,31 +110,36 @@ class Kernel:
     """One submission's kernel: ``await start()``, ``await run(code, limit)``,
     ``await evaluate(request, limit)``, ``await restart()``, ``await stop()``.
 
-    Folders: ``scratch/site`` (the package's copy, read-only in the sandbox), ``scratch/box``
-    (the kernel's one writable folder: ``work/``, its working folder, and ``run/``, its
-    connection file and sockets) and ``scratch/kernel.log`` (its stdout and stderr, which only
-    the grader sees)."""
+    Folders: ``scratch/site`` (the package's copy, read-only in the sandbox), ``scratch/given``
+    (files put beside the notebook, copied into its working folder when it starts),
+    ``scratch/box/run`` (its connection file; without the sandbox its sockets too),
+    ``scratch/box/work`` (its working folder: in the sandbox a tmpfs of WORK_BYTES at that path)
+    and ``scratch/kernel.log`` (its stdout and stderr, which only the grader sees)."""
 
     def __init__(self, scratch: Path, memory_mb: int, extra_path: tuple[str, ...] = (), *,
-                 sandboxed: bool = True):
+                 sandboxed: bool = True, cpus: float = 0.0):
         self.scratch = scratch
         self.box = scratch / "box"
         self.workdir = self.box / "work"
         self.rundir = self.box / "run"
+        self.given = scratch / "given"
         self.memory_mb = memory_mb
         self.sandboxed = sandboxed
+        self.cpus = cpus  # the CPUs' worth of time its tree may use (0: no limit)
         self.token = secrets.token_hex(16)
         self.km = None
         self.kc = None
         self.limits = None
         self.output_chars = 0
         self.hits: list[str] = []
-        self.digests: list[str] = []  # fingerprints of the answers the harness gave
         self._hits_fd = None
         self._hits_buffer = b""
+        self.answers: list[str] = []  # the answers the harness wrote on the pipe
         self._drain = None
         self._idle = None
-        for folder in (self.workdir, self.rundir):
+        self.pid = None          # the kernel's process, outside the sandbox's PID namespace
+        self.confined = False    # whether it can no longer start processes
+        for folder in (self.workdir, self.rundir, self.given):
             folder.mkdir(parents=True, exist_ok=True)
         self.site = copy_package(scratch)
         self.extra_path = tuple(extra_path)
@@ -139,14 +153,18 @@ class Kernel:
             path = [str(self.site), *self.extra_path, *inherited]
         self.env = {**kept, processes.MARKER: self.token, "PYTHONPATH": os.pathsep.join(path),
                     "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "agg"}
+        if cpus and "OMP_NUM_THREADS" not in self.env:  # as many threads as its share
+            self.env["OMP_NUM_THREADS"] = str(max(1, int(cpus)))
 
     def _sandbox_prefix(self) -> list[str]:
-        return sandbox.command(readonly=[str(self.site), *self.extra_path],
-                               writable=[str(self.box)], workdir=str(self.workdir))
+        return sandbox.command(readonly=[str(self.site), *self.extra_path, str(self.given),
+                                         str(self.rundir)],
+                               writable=[], workdir=str(self.workdir),
+                               private={str(self.workdir): WORK_BYTES})
 
     async def start(self) -> None:
         self.limits = sandbox.TreeLimits(sandbox.cgroup_name(self.token), self.memory_mb,
-                                         tree=self.sandboxed)
+                                         tree=self.sandboxed, cpus=self.cpus)
         connection_file = self.rundir / f"kernel-{secrets.token_hex(4)}.json"
         socket = f"{connection_file.with_suffix('')}-ipc-9"
         if len(os.fsencode(socket)) > UNIX_SOCKET_PATH_MAX:
@@ -157,10 +175,13 @@ class Kernel:
         read, write = os.pipe()
         os.set_blocking(read, False)
         self._hits_fd, self._hits_buffer = read, b""
+        asyncio.get_running_loop().add_reader(read, self._read_hits)  # an answer can be large
         self.km = _SandboxedKernelManager(kernel_name=KERNEL_NAME, transport="ipc",
                                           connection_file=str(connection_file))
+        self.pid, self.confined = None, False
         if self.sandboxed:
             self.km.prefix = self._sandbox_prefix()
+            self.km.ip = f"/tmp/kernel-{self.token[:8]}-ipc"  # in the sandbox's own /tmp
         log = open(self.scratch / "kernel.log", "ab")
         try:
             self.km.kernel_spec.interrupt_mode = "message"
@@ -168,6 +189,7 @@ class Kernel:
                                        stderr=log, pass_fds=(write,),
                                        preexec_fn=self.limits.enter,
                                        extra_arguments=["--HistoryManager.hist_file=:memory:"])
+            await self._find_kernel()
             self.kc = self.km.client()
             self.kc.start_channels()
             self.kc.allow_stdin = False  # input() raises instead of waiting forever
@@ -181,10 +203,14 @@ class Kernel:
             log.close()
             os.close(write)
         self._drain = asyncio.ensure_future(self._drain_iopub())
-        install = (f"import types as _t\n_m = _t.ModuleType('course_attn_harness')\n"
+        install = (f"import shutil as _s, types as _t\n"
+                   f"_s.copytree({str(self.given)!r}, '.', dirs_exist_ok=True)\n"
+                   f"_c = _t.ModuleType('course_attn_confine')\n"
+                   f"exec(compile({_CONFINE_SOURCE!r}, '<course_attn-confine>', 'exec'), "
+                   f"_c.__dict__)\n_m = _t.ModuleType('course_attn_harness')\n"
                    f"exec(compile({_HARNESS_SOURCE!r}, '<course_attn-harness>', 'exec'), "
-                   f"_m.__dict__)\n_m.install(globals(), {write}, {self.token!r})\n"
-                   "del _t, _m\n")
+                   f"_m.__dict__)\n_m.install(globals(), {write}, {self.token!r}, "
+                   "_c.forbid_new_processes)\ndel _s, _t, _c, _m\n")
         run = await self.run(install, KERNEL_STARTUP_TIMEOUT_S, history=False)
         if run.status != "ok":
             what = f"{run.ename}: {run.evalue}" if run.ename else f"it {run.status}" + \
@@ -192,6 +218,59 @@ class Kernel:
             hint = _MEMORY_HINT.format(self.memory_mb) if self.memory_mb else ""
             raise GraderError(f"could not start a {KERNEL_NAME} kernel: the grader's side did "
                               f"not install ({what}){hint}")
+
+    async def _find_kernel(self) -> None:
+        """Learn the kernel's pid. In the sandbox it is the second process of its PID namespace
+        (bubblewrap's init is the first); the client then reaches its sockets, which lie in the
+        sandbox's ``/tmp``, through ``/proc/<pid>/root``."""
+        launched = self.km.provisioner.process.pid
+        if not self.sandboxed:
+            self.pid = launched
+            return
+        deadline = time.monotonic() + KERNEL_STARTUP_TIMEOUT_S
+        while self.pid is None:
+            self.pid = next((pid for pid in processes.descendants(launched)
+                             if processes.namespace_pid(pid) == 2), None)
+            if self.pid is None:
+                if time.monotonic() > deadline or not await self._alive():
+                    raise RuntimeError("the sandbox started no kernel")
+                await asyncio.sleep(0.01)
+        self.km.ip = f"/proc/{self.pid}/root{self.km.ip}"
+        self.km._close_control_socket()  # it was connected to the path as the kernel sees it
+        self.km._connect_control_socket()
+
+    async def confine(self, limit_s: float) -> tuple[str, int]:
+        """Before the first graded call: the kernel puts the filter of ``confine.py`` on itself
+        (no new process from then on), the grader checks from outside that every thread of it
+        carries one filter more than before, and ends every other process in the sandbox.
+        Returns why it could not be confined ("" when it was) and how many processes were
+        ended."""
+        before = process_filter.filters_on(self.pid)
+        run = await self.run("", limit_s, history=False,
+                             expression=harness.expression(self.token, None))
+        try:
+            said = ast.literal_eval(run.value) if run.status == "ok" else None
+        except (ValueError, SyntaxError, RecursionError, MemoryError, TypeError):
+            said = None
+        after = process_filter.filters_on(self.pid)
+        if run.status != "ok":
+            problem = f"{run.ename}: {run.evalue}" if run.ename else f"it {run.status}"
+        elif said:
+            problem = str(said)[:200]
+        elif not after or not before or min(after) <= max(before):
+            problem = "the filter is not on every thread of the kernel"
+        else:
+            problem = ""
+        self.confined = not problem
+        launched = self.km.provisioner.process.pid
+        if self.sandboxed:
+            keep = {launched, self.pid, *(p for p in processes.descendants(launched)
+                                         if processes.namespace_pid(p) == 1)}
+            ended = await asyncio.to_thread(processes.end_all_but, launched, keep)
+        else:
+            ended = await asyncio.to_thread(processes.end_all_but, self.pid, {self.pid},
+                                            self.token)
+        return problem, ended
 
     async def _drain_iopub(self) -> None:
         """Read and count (never keep) the kernel's output, so it cannot pile up."""
@@ -216,27 +295,34 @@ class Kernel:
             await asyncio.sleep(0.01)
 
     def _read_hits(self) -> None:
-        """Take what the kernel wrote on the hits pipe so far (one JSON string a line)."""
+        """Take what the kernel wrote on the pipe so far, one JSON value a line: a string is a
+        banned operation, ``{"answer": text}`` an answer. A line longer than any answer can be
+        is dropped."""
+        longest = harness.MAX_BYTES * 3
         while self._hits_fd is not None:
             try:
-                chunk = os.read(self._hits_fd, 65536)
-            except BlockingIOError:
-                break
-            except OSError:
+                chunk = os.read(self._hits_fd, 1 << 20)
+            except (BlockingIOError, OSError):
                 break
             if not chunk:
                 break
-            self._hits_buffer = (self._hits_buffer + chunk)[-(1 << 20):]
-        *lines, self._hits_buffer = self._hits_buffer.split(b"\n")
-        for line in lines:
-            try:
-                hit = json.loads(line)
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(hit, dict) and isinstance(hit.get("answer"), str):
-                self.digests.append(hit["answer"])
-            elif isinstance(hit, str) and hit[:200] not in self.hits and len(self.hits) < 100:
-                self.hits.append(hit[:200])
+            self._hits_buffer += chunk
+            *lines, self._hits_buffer = self._hits_buffer.split(b"\n")
+            if len(self._hits_buffer) > longest:
+                self._hits_buffer = b""
+            for line in lines:
+                self._take(line)
+
+    def _take(self, line: bytes) -> None:
+        try:
+            hit = json.loads(line)
+        except (ValueError, RecursionError, MemoryError):
+            return
+        if isinstance(hit, dict) and isinstance(hit.get("answer"), str):
+            if len(self.answers) < 2:
+                self.answers.append(hit["answer"])
+        elif isinstance(hit, str) and hit[:200] not in self.hits and len(self.hits) < 100:
+            self.hits.append(hit[:200])
 
     async def _alive(self) -> bool:
         try:
@@ -332,24 +418,25 @@ class Kernel:
                                                                       list[str]]:
         """Run the harness on ``request`` (see ``harness.evaluate``); returns the run, the
         answer (None if none came back) and the banned operations reported as they
-        happened."""
+        happened. The answer is the one the harness wrote on the pipe, whatever the reply
+        says; a call that gave two is refused."""
         self._read_hits()
-        self.hits, self.digests = [], []
+        self.hits, self.answers = [], []
         run = await self.run("", limit_s, history=False,
                              expression=harness.expression(self.token, request))
         self._read_hits()
         answer = None
-        if run.status == "ok" and len(run.value) <= harness.MAX_BYTES * 3:
-            try:  # the repr of a str, sent by the kernel: any text at all
-                text = ast.literal_eval(run.value)
-                answer = json.loads(text) if isinstance(text, str) else None
-            except (ValueError, SyntaxError, RecursionError, MemoryError, TypeError):
+        if run.status == "ok" and len(self.answers) > 1:
+            run = CellRun("error", "GraderError", "more than one answer came on the grader's "
+                          "pipe for one call", seconds=run.seconds, output_chars=run.output_chars)
+        elif run.status == "ok" and self.answers:
+            try:
+                answer = json.loads(self.answers[0])
+            except (ValueError, RecursionError, MemoryError):
                 answer = None
-            if answer is not None and harness.answer_digest(text) not in self.digests:
-                run = CellRun("error", "GraderError", "the answer in the kernel's reply is not "
-                              "the one the grader's harness gave", seconds=run.seconds,
-                              output_chars=run.output_chars)
-                answer = None
+        elif run.status == "ok":
+            run = CellRun("error", "GraderError", "no answer came on the grader's pipe",
+                          seconds=run.seconds, output_chars=run.output_chars)
         return run, answer if isinstance(answer, dict) else None, list(self.hits)
 
     async def exit_description(self) -> str:
@@ -384,15 +471,26 @@ class Kernel:
                 pass
             self.kc = None
         if self.km is not None:
+            provisioner = self.km.provisioner
+            launched = provisioner.process if provisioner is not None else None
             try:
                 if self.km.has_kernel:
                     await self.km.shutdown_kernel(now=True)
             except Exception:  # the kernel is gone or going; nothing left to free we can reach
                 pass
             self.km = None
+            if launched is not None:  # the sandbox's own process: collected, not left a zombie
+                try:
+                    await asyncio.to_thread(launched.wait, 5)
+                except Exception:
+                    pass
         if self.limits is not None:
             await asyncio.to_thread(self.limits.remove)
         if self._hits_fd is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self._hits_fd)
+            except (RuntimeError, ValueError):
+                pass
             os.close(self._hits_fd)
             self._hits_fd = None
         await asyncio.to_thread(processes.kill_marked, self.token)

@@ -85,9 +85,10 @@ def _signal(pids, signum) -> set[int]:
     return reached
 
 
-def _reap() -> None:
-    """Collect this process's children that have ended, so that no zombie stays."""
-    for pid in children():
+def _reap(killed: set[int]) -> None:
+    """Collect those of ``killed`` that are this process's children, so that no zombie stays
+    (only those: another task of this process may be waiting for its own child's status)."""
+    for pid in children() & killed:
         try:
             os.waitpid(pid, os.WNOHANG)
         except (ChildProcessError, OSError):
@@ -127,8 +128,8 @@ def _kill_all(select, rounds: int = 50) -> int:
                 break
             stopped |= _signal(more, signal.SIGSTOP)
         killed |= _signal(stopped, signal.SIGKILL)
-        _reap()
-    _reap()
+        _reap(killed)
+    _reap(killed)
     return len(killed)
 
 
@@ -163,3 +164,32 @@ def kill_new_children(before: set[int]) -> int:
     return _kill_all(lambda parents: [pid for pid, parent in parents.items()
                                       if parent == me and pid not in before and
                                       pid not in helpers])
+
+
+def namespace_pid(pid: int) -> int | None:
+    """The pid of process ``pid`` in its own PID namespace (the last field of ``NSpid``)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` in the process tree."""
+    return _descendants({pid}, dict(_processes()))
+
+
+def end_all_but(root: int, keep: set[int], token: str | None = None) -> int:
+    """Kill every descendant of ``root`` that is not in ``keep`` and, with ``token``, every
+    process that carries it (``keep`` and ``root`` excepted), with all their descendants; how
+    many were killed."""
+    def select(parents):
+        found = _descendants({root}, parents) - keep
+        if token is not None:
+            found |= {pid for pid in parents if pid not in keep and pid != root and
+                      _carries(pid, token)}
+        return found
+    return _kill_all(select)

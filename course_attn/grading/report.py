@@ -32,7 +32,8 @@ class NotebookGrade:
     path: str
     chapter: str | None = None
     exercises: list[ExerciseScore] = field(default_factory=list)
-    flags: list[str] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)  # for a reviewer: what may not be honest
+    notes: list[str] = field(default_factory=list)  # for the student: what costs nothing
     error: str | None = None
     grader_error: bool = False
     seconds: float = 0.0
@@ -51,7 +52,7 @@ class NotebookGrade:
         return {"path": self.path, "chapter": self.chapter, "total": self.total,
                 "max": self.max_points,
                 "exercises": [{"exercise": e.exercise, **asdict(e)} for e in self.exercises],
-                "flags": list(self.flags), "error": self.error,
+                "flags": list(self.flags), "notes": list(self.notes), "error": self.error,
                 "grader_error": self.grader_error, "seconds": round(self.seconds, 2),
                 "sandbox": self.sandbox, "credit": self.credit}
 
@@ -97,7 +98,8 @@ def format_table(grades: list[NotebookGrade]) -> str:
             rows.append((grade.path, e.exercise, f"{e.points:g} / {e.max_points:g}", e.reason))
         rows.append((grade.path, "total", f"{grade.total:g} / {grade.max_points:g}",
                      grade.error or ""))
-        notes[len(rows) - 1] = [f"flag: {flag}" for flag in grade.flags]
+        notes[len(rows) - 1] = [f"flag: {flag}" for flag in grade.flags] + \
+            [f"note: {note}" for note in grade.notes]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = []
     for number, row in enumerate(rows):

@@ -10,14 +10,17 @@ system allows them; as root it works anyway). Inside:
 - its own user, PID, network, IPC and UTS namespaces: it sees only its own processes (not the
   grader, not the other kernels), cannot signal or trace anything outside, and has no network;
 - a filesystem made only of what it needs, read-only: the system's libraries, the Python it
-  runs, the virtual environment, and a copy of the package; one writable folder of its own
-  (its working folder and the kernel's sockets) and a private ``/tmp``. No ``solutions/``, no
-  hidden cases, no repository, no other student's notebook;
+  runs, the virtual environment, and a copy of the package; a working folder and a ``/tmp`` that
+  are tmpfs of a fixed size, so that what it writes is memory (counted by the memory cgroup)
+  and never the host's disk. No ``solutions/``, no hidden cases, no repository, no other
+  student's notebook;
 - ``--die-with-parent`` and a new session: when the grader goes, so does the sandbox.
 
 Limits on the whole process tree (``TreeLimits``): a memory cgroup (every process the kernel
-forks counts, shared memory and tmpfs files too) and a pids cgroup, where the cgroup
-filesystem lets this process make them; and in each process ``RLIMIT_DATA``, so that one
+forks counts, shared memory and tmpfs files too), a pids cgroup and, when several notebooks
+are graded at once, a cpu cgroup that holds the tree to its share of the CPUs (a notebook
+that keeps eight processes busy slows only itself), where the cgroup filesystem lets this
+process make them; and in each process ``RLIMIT_DATA``, so that one
 allocation past the limit fails with a MemoryError instead of killing the kernel. Without the
 cgroups only the per-process limit holds. Files written are capped by ``RLIMIT_FSIZE``.
 """
@@ -67,8 +70,11 @@ def _outermost(paths) -> list[str]:
     return kept
 
 
-def command(*, readonly: list[str], writable: list[str], workdir: str) -> list[str]:
-    """The ``bwrap`` arguments that run a command (appended after them) in the sandbox."""
+def command(*, readonly: list[str], writable: list[str], workdir: str,
+            private: dict[str, int] | None = None) -> list[str]:
+    """The ``bwrap`` arguments that run a command (appended after them) in the sandbox.
+    ``private``: folders (path -> bytes) that are a tmpfs of that size in the sandbox, seen by
+    nothing outside it."""
     args = [bwrap() or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
             "--cap-drop", "ALL", "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID),
             "--hostname", "grading"]
@@ -85,6 +91,8 @@ def command(*, readonly: list[str], writable: list[str], workdir: str) -> list[s
         args += ["--ro-bind", path, path]
     for path in writable:
         args += ["--bind", path, path]
+    for path, size in (private or {}).items():
+        args += ["--size", str(size), "--tmpfs", path]
     for device in sorted(Path("/dev").glob("nvidia*")):  # a GPU, where there is one
         args += ["--dev-bind", str(device), str(device)]
     # the kernel's parent is outside its PID namespace: --die-with-parent watches it instead
@@ -102,30 +110,80 @@ def unavailable() -> str | None:
         return f"the grading sandbox needs Linux (this is {sys.platform})"
     if bwrap() is None:
         return f"the grading sandbox needs bubblewrap: {INSTALL_HINT}"
+    from . import confine
+    source = Path(confine.__file__).read_text(encoding="utf-8")
     probe = command(readonly=[], writable=[], workdir="/tmp") + [
-        sys.executable, "-c", "import os; print(os.getpid())"]
+        sys.executable, "-c", source + _FILTER_PROBE]
     try:
         done = subprocess.run(probe, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"bubblewrap could not start a sandbox: {error}"
-    if done.returncode != 0:
+    if done.returncode != 0 and "filter:" not in done.stdout:
         why = (done.stderr.strip().splitlines() or ["no message"])[-1]
         return (f"bubblewrap could not start a sandbox ({why}); it needs user namespaces "
                 "(sysctl kernel.unprivileged_userns_clone=1) or root")
+    if done.stdout.strip() != "filter: holds":
+        return (f"a graded kernel could not be kept from starting processes "
+                f"({done.stdout.strip().removeprefix('filter: ')}); it needs Linux with seccomp "
+                "filters (x86-64 or AArch64)")
     return None
+
+
+_FILTER_PROBE = """
+try:
+    forbid_new_processes()
+    child = os.fork()
+except PermissionError:
+    print("filter: holds")
+except OSError as error:
+    print(f"filter: {error}")
+else:
+    if child == 0:
+        os._exit(0)
+    print("filter: a process started after the filter was put on")
+"""
 
 
 class TreeLimits:
     """A memory and a pids cgroup for one kernel's process tree, where this process may make
     them (cgroup v1 controllers, or a delegated cgroup v2 subtree); ``kind`` says which limits
-    hold: ``"cgroup"`` (the whole tree) or ``"process"`` (each process on its own)."""
+    hold: ``"cgroup"`` (the whole tree) or ``"process"`` (each process on its own). ``cpus``:
+    the CPUs' worth of time the tree may use (0: no limit); ``cpu_limited`` says whether a cpu
+    cgroup holds it to that."""
 
-    def __init__(self, name: str, memory_mb: int, *, tree: bool = True):
+    def __init__(self, name: str, memory_mb: int, *, tree: bool = True, cpus: float = 0.0):
         self.memory_mb = memory_mb
+        self.cpus = cpus
         self.folders: list[Path] = []
         self.kind = "process"
+        self.cpu_limited = False
         if memory_mb and tree:
             self._make(name)
+        if cpus and tree and self.kind == "cgroup":
+            self._limit_cpu(name)
+
+    def _limit_cpu(self, name: str) -> None:
+        period = 100_000  # microseconds
+        quota = max(1000, int(self.cpus * period))
+        folder = None
+        try:
+            parent = _own_v1("cpu")
+            if parent is not None:
+                folder = parent / name
+                folder.mkdir()
+                (folder / "cpu.cfs_period_us").write_text(str(period))
+                (folder / "cpu.cfs_quota_us").write_text(str(quota))
+            elif len(self.folders) == 1 and _own_v2(("cpu",)) is not None:
+                (self.folders[0] / "cpu.max").write_text(f"{quota} {period}")
+            else:
+                return
+        except OSError:
+            if folder is not None:
+                _remove(folder)
+            return
+        if folder is not None:
+            self.folders.append(folder)
+        self.cpu_limited = True
 
     def _make(self, name: str) -> None:
         made = []
@@ -194,7 +252,8 @@ def cgroup_name(token: str) -> str:
 
 def remove_cgroups_of(pid: int) -> None:
     """Kill what is left in, and remove, the kernels' cgroups that process ``pid`` made."""
-    parents = [p for p in (_own_v1("memory"), _own_v1("pids")) if p is not None] or \
+    parents = [p for p in (_own_v1("memory"), _own_v1("pids"), _own_v1("cpu"))
+               if p is not None] or \
         [p for p in (_own_v2(),) if p is not None]
     for parent in parents:
         for folder in parent.glob(f"course_attn_{pid}_*"):
@@ -245,9 +304,9 @@ def _own_v1(controller: str) -> Path | None:
     return None
 
 
-def _own_v2() -> Path | None:
-    """A cgroup v2 folder under this process's own, with the memory and pids controllers, if
-    this process may make one (a delegated subtree)."""
+def _own_v2(needed=("memory", "pids")) -> Path | None:
+    """This process's cgroup v2 folder, whose children have the ``needed`` controllers, if
+    this process may make one there (a delegated subtree)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
         path = next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
@@ -255,6 +314,6 @@ def _own_v2() -> Path | None:
         controllers = (folder / "cgroup.subtree_control").read_text().split()
     except (OSError, StopIteration, IndexError):
         return None
-    if not {"memory", "pids"} <= set(controllers) or not os.access(folder, os.W_OK):
+    if not set(needed) <= set(controllers) or not os.access(folder, os.W_OK):
         return None
     return folder
