@@ -95,10 +95,10 @@ def test_softmax_list_mistakes():
                  hint="math.exp(-1000) is 0.0", message="ZeroDivisionError")
     assert_fails("ch01.softmax_list", shift_by_first,
                  "scores spread from -900 to 800, the first one the lowest",
-                 hint="not by the first one", message="OverflowError")
+                 hint="you shift by the first score", message="OverflowError")
     assert_fails("ch01.softmax_list", shift_by_mean,
                  "scores [700, -900, -900, 690]: the mean is far below the largest",
-                 hint="the mean can lie", message="OverflowError")
+                 hint="you shift by the mean score", message="OverflowError")
     # NaN answers are recognised as the typical mistake
     assert_fails("ch01.softmax_list", naive_numpy, "large scores [1000, 1001] (no overflow)",
                  hint="you exponentiate the raw scores")

@@ -20,7 +20,7 @@ from course_attn.grading import get, run_exercise
 from course_attn.grading.judge import Answer, judge_case
 from course_attn.grading.exercise import hidden_cases
 
-from check_support import assert_banned, assert_fails, results
+from check_support import assert_banned, assert_fails, assert_fails_unnamed, results
 from helpers import SOLUTIONS_DIR
 
 
@@ -181,7 +181,7 @@ def test_qk_norm_attention_mistakes():
         rms_norm(q), rms_norm(k), v, is_causal), first, hint="forgot the gains")
     assert_fails(key, lambda q, k, v, qw, kw, is_causal=False: attend(
         rms_norm(q, qw), k, v, is_causal), first, hint="only q")
-    # a causal mask forgotten: no typical mistake, the case's own hint
+    # a causal mask forgotten: a declared mistake
     assert_fails(key, lambda q, k, v, qw, kw, is_causal=False: qk_norm_attention(q, k, v, qw, kw),
                  "causal, T=5", hint="-inf above the diagonal")
 
@@ -327,9 +327,9 @@ def test_qk_norm_limits_mistakes():
         hint="with its sign")
     assert_fails(key, answering(gain_for_weight=lambda D, T, qg, kg, w: math.log(
         (T - 1) * w / (1 - w)) / (2 * math.sqrt(D))), second["gain_for_weight"], hint="not g")
-    # gains ignored in (c): no typical mistake, the case's own hint
-    assert_fails(key, answering(max_score_gains=lambda D, *_: math.sqrt(D)),
-                 first["max_score_gains"], hint="ask on which channel")
+    # gains ignored in (c): no typical mistake, so no hint
+    assert_fails_unnamed(key, answering(max_score_gains=lambda D, *_: math.sqrt(D)),
+                         first["max_score_gains"])
     assert_fails(key, lambda **_: [4.0, 0.98], first["max_score"], message="should return a dict")
 
 

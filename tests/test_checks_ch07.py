@@ -20,7 +20,7 @@ from course_attn.grading import get, run_exercise
 from course_attn.grading.judge import Answer, judge_case
 from course_attn.grading.exercise import hidden_cases
 
-from check_support import assert_banned, assert_fails, results
+from check_support import assert_banned, assert_fails, assert_fails_unnamed, results
 from helpers import SOLUTIONS_DIR
 
 
@@ -117,7 +117,8 @@ def test_repeat_kv_mistakes():
     assert_fails(key, lambda x, n_rep: x[:, :, None].expand(-1, -1, n_rep, -1, -1), first,
                  hint="never merged")
     assert_fails(key, lambda x, n_rep: repeat_kv(x, n_rep).float(),
-                 "T=1 (one decode step), float64, n_rep=2", hint="dtype flow")
+                 "T=1 (one decode step), float64, n_rep=2", hint="return torch.float64, not "
+                 "torch.float32", message="dtype")
 
 
 def test_repeat_kv_may_not_call_repeat_interleave_or_the_package():
@@ -155,7 +156,7 @@ def test_gqa_attention_mistakes():
                  first, hint="reads KV head 0")
     assert_fails(key, wrong_axis, first, hint="over the queries")
     assert_fails(key, tiled_values, first, hint="tiled the values")
-    # the causal mask forgotten: no typical mistake, the case's own hint
+    # the causal mask forgotten: a declared mistake
     assert_fails(key, lambda q, k, v, is_causal=False: gqa_attention(q, k, v), "causal, H=4, "
                  "Hkv=2, T=5", hint="-inf above the diagonal")
 
@@ -222,13 +223,12 @@ def test_kv_cache_bytes_mistakes():
     assert_fails(key, with_(own_head_dim=False),
                  "a config with head_dim given (not hidden_size / heads), MQA",
                  hint="ignored the config's head_dim")
-    # a config read with [] where the key may be missing: the case's own hint
-    assert_fails(key, lambda config, seq_len, batch_size=1, bytes_per_element=2:
-                 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * 128 * seq_len
-                 * batch_size * bytes_per_element,
-                 "an MHA config without num_key_value_heads (it then equals "
-                 "num_attention_heads)", hint="leave num_key_value_heads out",
-                 message="KeyError")
+    # a config read with [] where the key may be missing: the KeyError says it, no hint
+    assert_fails_unnamed(key, lambda config, seq_len, batch_size=1, bytes_per_element=2:
+                         2 * config["num_hidden_layers"] * config["num_key_value_heads"] * 128
+                         * seq_len * batch_size * bytes_per_element,
+                         "an MHA config without num_key_value_heads (it then equals "
+                         "num_attention_heads)", message="KeyError")
     # the message says too large or too small, never the answer nor by what factor
     assert_fails(key, with_(factor=1), llama, message="too small")
     assert_fails(key, with_(query_heads=True), llama, message="too large")

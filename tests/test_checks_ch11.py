@@ -636,3 +636,26 @@ def test_receptive_field_may_not_call_the_package_or_sdpa():
         course_attn.sliding_window_mask(length, length, window)
         return receptive_field(layers, window, length, seed)
     assert_banned(FIELD, with_the_mask, "course_attn")
+
+
+def test_a_window_mask_wrong_only_at_a_regimes_edge_fails_on_every_seed():
+    """Issue 31: one random draw inside a regime does not reach its edge. A window mask aligned
+    top-left only past a gap of five (the regime Tq > Tk + 1 drew gaps of 2 to 6), and one
+    whose window is one key short only when it nearly covers a square's keys (W = T - 1), each
+    passed the hidden cases of some seeds; the hidden cases now hold each regime's edge, and
+    both fail on every seed."""
+    from course_attn.grading.ch11 import window_mask_reference
+
+    def past_five(tq, tk, w):
+        return window_mask_reference(tq, tq, w)[:, :tk] if tq - tk > 5 else \
+            window_mask_reference(tq, tk, w)
+
+    def nearly_covering(tq, tk, w):
+        short = tq == tk and w == tk - 1 and w > 1
+        return window_mask_reference(tq, tk, w - 1 if short else w)
+
+    for wrong in (past_five, nearly_covering):
+        for seed in range(100):
+            cases = hidden_cases("ch11.window_mask", seed)
+            judgement = run_exercise(get("ch11.window_mask"), wrong, cases, watch_banned=False)
+            assert not judgement.passed, (wrong, seed)   # (the reference's own calls allowed)

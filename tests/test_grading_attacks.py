@@ -654,7 +654,7 @@ ATTACKS = {
         "issue 18, 1: a Tensor subclass whose __torch_function__ gives the reference when the "
         "harness reads it", "03_g", "ch03-padding_mask", SUBCLASS_TURNS_INTO_THE_REFERENCE,
         FAILS + r"'[^']+': your function returned a value of type Answer, which is not a "
-                r"tensor, number, string or list of them; hint: .+\)", (DISPATCH, C_CORE)),
+                r"tensor, number, string or list of them\)", (DISPATCH, C_CORE)),
     # ch03.masked_attention: attention kernels
     "sibling_sdpa_backend": Attack(
         "issue 8: the package's SDPA backend", "03_a", "ch03-masked_attention",
@@ -679,7 +679,7 @@ ATTACKS = {
         fails_first_or_named(
             r"'\(b\) s\.masked_fill\(~allowed, fill\) \(dtype=float16, [^']+\)': your "
             r"'masked_fill' is not one of the options 'error', 'fills': got 'no error: "
-            r"masked_fill just writes -inf'; hint: .+\)"), how="after"),
+            r"masked_fill just writes -inf'\)"), how="after"),
     # ch02: the softmax family, refused by ch02.stable_softmax's allowlist and names
     "torch_softmax": Attack(
         "issue 8: torch.softmax", "02_a", "ch02-stable_softmax", TORCH_SOFTMAX,

@@ -90,11 +90,31 @@ def test_a_mistake_that_raises_is_named_when_the_student_raises_the_same_error()
     assert result.hint == VIEWS.mistakes[0].hint
 
 
-def test_another_error_gets_the_cases_own_hint():
+def test_an_error_no_mistake_raises_gets_no_hint():
+    """Issue 31: the case's own hint ("merge") was shown for any error; it guessed at a mistake
+    the student may not have made. Now the error's message is the whole reason."""
     def other(x):
         raise ValueError("something else")
     (result,) = run_exercise(VIEWS, other, watch_banned=False).results
-    assert not result.named and result.hint == "merge"
+    assert not result.named and result.hint == ""
+    assert result.message.startswith("ValueError: something else")
+
+
+def test_a_wrong_value_no_mistake_gives_gets_no_hint_and_says_what_differs():
+    """Issue 31: tile_mask tested at a tile's first corner only was told "bottom-right: query i
+    sits at Tk - Tq + i", which it already did. A wrong answer whose output matches no declared
+    mistake names none: the message says how it differs."""
+    from course_attn.grading.ch09 import tile_mask_reference
+    exercise = get("ch09.tile_mask")
+    for case in exercise.public_cases():
+        if not tile_mask_reference(*case.args, **dict(case.kwargs)).any():
+            continue
+        expected = exercise.expected(case)
+        wrong = expected.clone()
+        wrong.view(-1)[int(expected.view(-1).float().argmax())] ^= True   # one entry flipped
+        result = judge_case(exercise, case, expected, Answer(value=wrong))
+        assert not result.passed and (result.hint, result.named) == ("", False), result.hint
+        assert "1 of" in result.message and "differ" in result.message, result.message
 
 
 def test_the_reason_shows_a_case_whose_hint_names_the_mistake_public_first():
@@ -132,7 +152,8 @@ def test_a_hint_about_the_dtype_is_shown_only_when_the_dtype_is_wrong():
     kept = judge_case(exercise, case, expected, Answer(value=expected + 1))
     assert not kept.passed and kept.hint == "" and "largest error" in kept.message
     converted = judge_case(exercise, case, expected, Answer(value=expected.float()))
-    assert not converted.passed and converted.hint == case.hint
+    assert not converted.passed and converted.hint.startswith("return torch.float64, not "
+                                                              "torch.float32")
 
 
 def test_a_failed_hidden_case_names_its_regimes():

@@ -34,6 +34,12 @@ def _naive_softmax_list(scores):
     return [e / total if total else math.nan for e in exps]
 
 
+def _exp_softmax_list(scores):
+    """The same with math.exp as it is: it raises past 709, and divides by zero where every
+    weight underflows (a numpy or torch version gives inf and NaN instead: the one above)."""
+    return [math.exp(s) / sum(math.exp(x) for x in scores) for s in scores]
+
+
 def _softmax_list_cases():
     gen = torch.Generator().manual_seed(101)
     yield Case("five random scores", (randn(5, seed=gen).tolist(),),
@@ -61,11 +67,16 @@ register(Exercise(
     cases=_softmax_list_cases, compare=expect_float_list,
     banned=("course_attn",) + NO_LIBRARY_SOFTMAX,
     mistakes=(
-        Mistake("you shift by the first score, not the largest: exp overflows when a later "
-                "score is much larger", lambda s: _naive_softmax_list([x - s[0] for x in s])),
-        Mistake("you shift by the mean score, not the largest: exp still overflows for scores "
-                "far above the mean", lambda s: _naive_softmax_list([x - sum(s) / len(s)
-                                                                     for x in s])),
+        *(Mistake("you shift by the first score, not the largest: exp overflows when a later "
+                  "score is much larger", lambda s, f=f: f([x - s[0] for x in s]))
+          for f in (_exp_softmax_list, _naive_softmax_list)),
+        *(Mistake("you shift by the mean score, not the largest: exp still overflows for "
+                  "scores far above the mean", lambda s, f=f: f([x - sum(s) / len(s) for x in s]))
+          for f in (_exp_softmax_list, _naive_softmax_list)),
+        Mistake("a raw math.exp fails at both ends: math.exp(1000) overflows (past 709 it "
+                "raises), and math.exp(-1000) is 0.0 (a sum of zeros, then a division by "
+                "zero); subtracting the same number from every score does not change the "
+                "softmax", _exp_softmax_list),
         Mistake("you exponentiate the raw scores: exp overflows past 709 (or every weight "
                 "underflows to 0 for very negative scores); subtract the largest score first",
                 _naive_softmax_list),
@@ -135,12 +146,20 @@ def _soft_lookup_cases():
                hint="compare the query with every key by a dot product, not by equality")
 
 
+def _overflowing_soft_lookup(query, keys, values):
+    scores = [sum(q * k for q, k in zip(query, key)) for key in keys]
+    exps = [math.exp(s) for s in scores]                                   # raises past 709
+    return [sum(e * v[d] for e, v in zip(exps, values)) / sum(exps) for d in range(len(values[0]))]
+
 register(Exercise(
     key="ch01.soft_lookup", function="soft_lookup", reference=soft_lookup_reference,
     ops=ELEMENTARY,
     cases=_soft_lookup_cases, compare=expect_float_list,
     banned=("course_attn",) + NO_LIBRARY_SOFTMAX + NO_LIBRARY_ATTENTION[1:],
     mistakes=(
+        Mistake("math.exp overflows past 709, and these dot products reach about ±1000: "
+                "a softmax may subtract the same number from every score first",
+                _overflowing_soft_lookup),
         Mistake("you divide the scores by √D: this chapter's lookup does not scale them "
                 "(scaling comes in chapter 2)", _scaled_soft_lookup),
         Mistake("you return the value of the best-matching key (a hard lookup): a soft lookup "
@@ -190,11 +209,22 @@ def _attend_cases():
                hint="the output is weights @ v with weights of shape (Tq, Tk)")
 
 
+def _exp_weights(scores):
+    """A softmax that exponentiates the raw scores: inf / inf = NaN once they pass 709."""
+    e = scores.exp()
+    return e / e.sum(dim=-1, keepdim=True)
+
 register(Exercise(
     key="ch01.attend", function="attend", reference=attend_reference,
     ops=ELEMENTARY | SOFTMAX,
     cases=_attend_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
+        Mistake("q @ k multiplies (Tq, D) by (Tk, D): a score pairs a query row with a key row, "
+                "so the keys must be transposed first (scores = q @ k.T, shape (Tq, Tk))",
+                lambda q, k, v: torch.softmax(q @ k, dim=-1) @ v),
+        Mistake("exp of scores in the thousands is inf, and inf / inf is NaN: use a stable "
+                "softmax (torch.softmax is one)",
+                lambda q, k, v: _exp_weights(q @ k.T) @ v),
         Mistake("you divide the scores by √D: this chapter's attention does not scale them",
                 lambda q, k, v: attend_reference(q / math.sqrt(q.shape[-1]), k, v)),
         Mistake("your softmax runs over the queries (dim=0); each query's weights must run over "
@@ -331,11 +361,18 @@ def _induction_cases():
                hint="return a tensor of shape (H,) in the dtype of the weights")
 
 
+def _induction_zero_over_zero(weights, tokens):
+    score = induction_score_reference(weights, tokens)
+    return score if (induction_targets(tokens) >= 0).any() else torch.full_like(score, math.nan)
+
 register(Exercise(
     key="ch01.induction_score", function="induction_score", reference=induction_score_reference,
     ops=ELEMENTARY | SOFTMAX,
     cases=_induction_cases, compare=expect_close_tensor(1e-5, 1e-7), banned=("course_attn",),
     mistakes=(
+        Mistake("no token occurs twice here, so your average divides a sum of nothing by 0 "
+                "positions, and 0 / 0 is NaN: the docstring says what a head scores then",
+                _induction_zero_over_zero),
         Mistake("you read the weight on the earlier occurrence itself (position j); an induction "
                 "head looks one past it, at j + 1, the token that followed it",
                 _induction_at_occurrence),

@@ -58,6 +58,9 @@ register(Exercise(
     reference=attention_scores_reference, cases=_scores_cases, compare=expect_tensor,
     banned=NO_LIBRARY_ATTENTION,
     mistakes=(
+        Mistake("k.T reverses every axis of a 4-d tensor, not only the last two: transpose only "
+                "the last two axes (the time and the head dimension)",
+                lambda q, k, scale=None: q @ k.T / math.sqrt(q.shape[-1])),
         Mistake("you did not scale the scores: multiply q kᵀ by 1/sqrt(D) (or by scale)",
                 lambda q, k, scale=None: attention_scores_reference(q, k, 1.0)),
         Mistake("you divide by D instead of sqrt(D)",
@@ -196,6 +199,10 @@ register(Exercise(
     ops=ELEMENTARY | SOFTMAX,
     cases=_attention_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
+        Mistake("your softmax exponentiates the raw scores: past 709 exp is inf, and inf / inf "
+                "is NaN; subtract the row maximum first",
+                lambda q, k, v, scale=None: _softmax_no_shift(
+                    attention_scores_reference(q, k, scale)) @ v),
         Mistake("you did not scale the scores by 1/sqrt(D)",
                 lambda q, k, v, scale=None: attention_reference(q, k, v, scale=1.0)),
         Mistake("you scale by 1/sqrt(Dv), from v; D comes from q and k",

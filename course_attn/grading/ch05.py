@@ -86,6 +86,12 @@ register(Exercise(
     ops=ELEMENTARY,
     cases=_angles_cases, compare=expect_close_tensor(1e-5, 1e-6), banned=("course_attn",),
     mistakes=(
+        Mistake("you number the rows 0, 1, 2, ...: use the positions you are given (a KV cache "
+                "passes later ones, 100..104 say)",
+                lambda positions, d, base=10000.0: rope_angles_reference(
+                    torch.arange(len(positions)), d, base)),
+        Mistake("you use the default base whatever base is passed: use the base you are given",
+                lambda positions, d, base=10000.0: rope_angles_reference(positions, d)),
         Mistake("your frequencies fall too slowly: θᵢ = base^(-2i/D) has a 2 in the exponent "
                 "(the pairs are i = 0 .. D/2 - 1, and 2i runs over the even channels 0 .. D-2)",
                 _angles_with(exponent=lambda i, d: -i / d)),
@@ -153,6 +159,8 @@ register(Exercise(
     ops=ELEMENTARY,
     cases=_rope_cases, compare=expect_close_tensor(1e-5, 1e-5), banned=("course_attn",),
     mistakes=(
+        Mistake("you use the default base whatever base is passed: use the base you are given",
+                lambda x, base=10000.0: apply_rope_reference(x)),
         Mistake("you rotate by -t·θᵢ, clockwise (nanochat's convention): here every pair "
                 "turns by +t·θᵢ, counter-clockwise, as in RoFormer and Llama",
                 _rope_with(sign=-1.0)),

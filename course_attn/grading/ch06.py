@@ -250,6 +250,10 @@ register(Exercise(
     reference=qk_norm_attention_reference, cases=_qk_cases, compare=expect_tensor,
     banned=NO_LIBRARY_ATTENTION,
     mistakes=(
+        Mistake("you ignored is_causal=True: each query must see only the keys up to its own "
+                "position (-inf above the diagonal, before the softmax)",
+                lambda q, k, v, q_weight, k_weight, is_causal=False: qk_norm_attention_reference(
+                    q, k, v, q_weight, k_weight)),
         Mistake("you forgot the 1/sqrt(D) scale of the scores: QK-norm changes q and k, not "
                 "the attention after them",
                 lambda q, k, v, qw, kw, is_causal=False: _attend(

@@ -149,6 +149,9 @@ register(Exercise(
     ops=ELEMENTARY | SOFTMAX,
     cases=_gqa_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
+        Mistake("you ignored is_causal=True: each query must see only the keys up to its own "
+                "position (-inf above the diagonal, before the softmax)",
+                lambda q, k, v, is_causal=False: gqa_attention_reference(q, k, v)),
         Mistake("you tiled the KV heads (0 1 0 1 ...): query head h reads KV head h // (H / Hkv), "
                 "so the query heads of one group are neighbours", _grouped(_tiled)),
         Mistake("you forgot the 1/sqrt(D) scale of the scores",

@@ -286,10 +286,12 @@ def not_computed(pairs) -> str:
 
 def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
                hidden: bool = False) -> CaseResult:
-    """One case judged. A failed case's hint is a typical mistake's, where the student's answer
-    (or error) is that mistake's on this case; else the dtype's, where the dtype is what
-    differs; else the case's own hint, unless that one speaks of the dtype and the dtype is
-    right. A hidden case that fails names the regimes it lies in."""
+    """One case judged. A failed case's hint speaks only of what the student did: a typical
+    mistake's, where the student's answer (or error) is that mistake's on this case; else the
+    dtype's, where the dtype is what differs; else an error's own (``ERROR_HINTS``); else none,
+    and the message alone says what differs. The case's own hint is for ``check()``'s table of
+    a passed case's idea, never a guess at a failure. A hidden case that fails names the
+    regimes it lies in."""
     name, part = case.name, case.part
     regimes = tuple(regime for regime, holds in hidden_regimes(exercise.key).items()
                     if _holds(holds, case))
@@ -300,26 +302,22 @@ def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
         if answer.error.get("type") == "NotImplementedError":
             return failed(describe_error(answer.error))
         named = name_the_error(exercise, case, answer.error)
-        return failed(describe_error(answer.error), named or error_hint(answer.error) or
-                      case.hint, bool(named))
+        return failed(describe_error(answer.error), named or error_hint(answer.error),
+                      bool(named))
     if answer.unsendable:
         return failed(f"your function returned {answer.unsendable}, which is not a tensor, "
-                      "number, string or list of them", case.hint)
+                      "number, string or list of them")
     try:
         exercise.compare(answer.value, expected, case)
     except AssertionError as error:
         named = name_the_mistake(exercise, case, answer.value)
         pairs = tensor_pairs(answer.value, expected, case)
         wrong_dtype = next(((where, a, b) for where, a, b in pairs if a.dtype != b.dtype), None)
-        hint = case.hint
-        if wrong_dtype is not None and not named:
-            hint = dtype_hint(*wrong_dtype) if "dtype" not in (case.hint or "") else hint
-        elif "dtype" in (case.hint or "") and pairs:   # the dtype is right: not this hint
-            hint = ""
+        hint = dtype_hint(*wrong_dtype) if wrong_dtype is not None else ""
         return failed(not_computed(pairs) or str(error) or "wrong answer", named or hint,
                       bool(named))
     except Exception as error:  # an answer of a shape the comparison did not foresee
-        return failed(f"your answer could not be compared: {error}", case.hint)
+        return failed(f"your answer could not be compared: {error}")
     if answer.mutated_argument is not None:
         return failed(f"your function changed its argument {answer.mutated_argument + 1} in "
                       "place", "compute a new tensor or list instead of writing into the input")

@@ -17,9 +17,11 @@ EXP_MIN = -745.0    # and underflows to 0.0 below it
 
 def _scaled_to(x: torch.Tensor, scores: torch.Tensor, low: float, high: float, gen):
     """``x`` times the factor that puts the largest |score| (``scores``, linear in ``x``) at a
-    number drawn in [low, high]."""
+    number drawn in [low, high], and that score positive: the edge of the regime, where exp
+    overflows (a large negative score only underflows, which a raw exp survives)."""
     target = low + (high - low) * float(torch.rand((), generator=gen, dtype=torch.float64))
-    return x * (target / float(scores.abs().max()))
+    sign = 1.0 if float(scores.max()) >= -float(scores.min()) else -1.0
+    return x * (sign * target / float(scores.abs().max()))
 
 
 # --- softmax_list ------------------------------------------------------------------------------

@@ -41,6 +41,12 @@ def _(gen):
     tq = randint(2, 10, gen)
     tk = tq + randint(0, 3, gen)
     yield Case(f"W=1, Tq={tq}, Tk={tk}", (tq, tk, 1))
+    # the edges, on every seed: the largest gap on a single key; one query short of square at
+    # the longest length; a window one key short of the keys, and just covering them
+    yield Case("Tq=9, Tk=1, W=3", (9, 1, 3))
+    yield Case("Tq=13, Tk=14, W=4", (13, 14, 4))
+    yield Case("square, T=14, W=13", (14, 14, 13))
+    yield Case("Tq=12, Tk=14, W=14", (12, 14, 14))
 
 
 # ch11.rolling_index: sinks not a multiple of the rolling slots (there, a turn counted from 0
