@@ -659,3 +659,25 @@ def test_a_window_mask_wrong_only_at_a_regimes_edge_fails_on_every_seed():
             cases = hidden_cases("ch11.window_mask", seed)
             judgement = run_exercise(get("ch11.window_mask"), wrong, cases, watch_banned=False)
             assert not judgement.passed, (wrong, seed)   # (the reference's own calls allowed)
+
+
+def test_a_rolling_index_wrong_only_at_a_regimes_edge_fails_on_every_seed():
+    """Issue 31: a rolling buffer that wraps one slot early (at position size - 1) and one that
+    rolls the last sink, each wrong at one edge of a regime, passed the hidden cases of some
+    seeds when positions were drawn at random inside the regimes; the edges are drawn on every
+    seed now."""
+    from course_attn.grading.ch11 import rolling_index_reference
+
+    def wraps_early(position, size, sinks=0):
+        return sinks if position == size - 1 else rolling_index_reference(position, size, sinks)
+
+    def rolls_the_last_sink(position, size, sinks=0):   # "position < sinks - 1" for a sink
+        if position == sinks - 1:
+            return sinks + (position - sinks) % (size - sinks)
+        return rolling_index_reference(position, size, sinks)
+
+    for wrong in (wraps_early, rolls_the_last_sink):
+        for seed in range(100):
+            cases = hidden_cases("ch11.rolling_index", seed)
+            judgement = run_exercise(get("ch11.rolling_index"), wrong, cases, watch_banned=False)
+            assert not judgement.passed, (wrong, seed)

@@ -76,11 +76,15 @@ def _(gen):
     for position in (randint(0, sinks - 1, gen), randint(sinks, size - 1, gen), size,
                      sinks + rolling * randint(2, 5, gen),
                      sinks + randint(1, rolling - 1, gen) + rolling * randint(2, 9, gen),
-                     randint(size, 200, gen)):
+                     randint(size, 200, gen),
+                     # the edges, on every seed: the last sink, the first and the last slot
+                     # before the wrap, the first position after it
+                     sinks - 1, sinks, size - 1, size + 1):
         yield Case(f"position {position}, size {size}, {sinks} sinks", (position, size, sinks))
     size = randint(2, 8, gen)
     position = randint(size, 60, gen)
     yield Case(f"position {position}, size {size}, no sinks", (position, size, 0))
+    yield Case(f"position {size - 1}, size {size}, no sinks", (size - 1, size, 0))
 
 
 # ch11.local_attention_block: a block longer than the window whose reach starts inside the
