@@ -890,3 +890,26 @@ def test_flash_backward_may_not_use_autograd():
         q = q.clone().requires_grad_()
         return torch.autograd.grad(q.sum(), q)[0], k, v
     assert_banned(FLASH_BACKWARD, with_autograd, "torch.autograd.grad")
+
+
+def test_a_tile_mask_wrong_only_at_a_regimes_edge_fails_on_every_seed():
+    """Issue 31: a causal tile mask aligned top-left only past a gap of two query blocks
+    passed the hidden cases of 38 seeds in 100, one that keeps every tile when a single key
+    block holds all the keys passed 70; the hidden cases now hold a single key block (partial
+    and whole) under a gap of several query blocks on every seed, and both fail all 100."""
+    from course_attn.grading.ch09 import tile_mask_reference
+
+    def far_gap_top_left(tq, tk, bq, bk, is_causal=False, window=None):
+        if is_causal and window is None and tq - tk > 2 * bq:
+            return tile_mask_reference(tq, tq, bq, bk, is_causal)[:, :(tk + bk - 1) // bk]
+        return tile_mask_reference(tq, tk, bq, bk, is_causal, window)
+
+    def one_key_block_kept(tq, tk, bq, bk, is_causal=False, window=None):
+        mask = tile_mask_reference(tq, tk, bq, bk, is_causal, window)
+        return torch.ones_like(mask) if tk <= bk and is_causal and window is None else mask
+
+    for wrong in (far_gap_top_left, one_key_block_kept):
+        for seed in range(100):
+            cases = hidden_cases("ch09.tile_mask", seed)
+            judgement = run_exercise(get("ch09.tile_mask"), wrong, cases, watch_banned=False)
+            assert not judgement.passed, (wrong, seed)   # (the reference's own calls allowed)

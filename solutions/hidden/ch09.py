@@ -223,6 +223,12 @@ def _(gen):
     w = tk + randint(0, 4, gen)
     yield Case(f"causal, a window of {w} >= Tk, Tq={tq}, Tk={tk}, blocks {bq} x {bk}",
                (tq, tk, bq, bk), dict(is_causal=True, window=w))
+    # the edges, on every seed: a single key block (one partial, one whole) under the largest
+    # gap the other cases draw, so that rows with no key span several query blocks
+    yield Case("causal, Tq=17 > Tk=3, blocks 3 x 4 (one partial key block)", (17, 3, 3, 4),
+               dict(is_causal=True))
+    yield Case("causal, Tq=18 > Tk=4, blocks 4 x 4 (one key block)", (18, 4, 4, 4),
+               dict(is_causal=True))
 
 
 # ch09.flash_counts: one set of sizes in each regime, on every seed; blocks are powers of two,
