@@ -913,3 +913,21 @@ def test_a_tile_mask_wrong_only_at_a_regimes_edge_fails_on_every_seed():
             cases = hidden_cases("ch09.tile_mask", seed)
             judgement = run_exercise(get("ch09.tile_mask"), wrong, cases, watch_banned=False)
             assert not judgement.passed, (wrong, seed)   # (the reference's own calls allowed)
+
+
+def test_a_chunk_loop_that_stops_one_key_short_fails_on_every_seed():
+    """Issue 31: ``for start in range(0, Tk - 1, chunk)`` drops the last key only where the last
+    chunk holds a single key; the hidden cases drew that in 65 seeds of 100. A last chunk of
+    one key is now drawn on every seed."""
+    from course_attn.grading.ch09 import chunked_attention_reference
+
+    def stops_one_short(q, k, v, bias, chunk):
+        if (k.shape[0] - 1) % chunk == 0:
+            return chunked_attention_reference(q, k[:-1], v[:-1], bias[:, :-1], chunk)
+        return chunked_attention_reference(q, k, v, bias, chunk)
+
+    for seed in range(100):
+        cases = hidden_cases("ch09.chunked_attention", seed)
+        judgement = run_exercise(get("ch09.chunked_attention"), stops_one_short, cases,
+                                 watch_banned=False)
+        assert not judgement.passed, seed

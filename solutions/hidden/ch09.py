@@ -341,6 +341,11 @@ def _(gen):
     t = randint(4, 10, gen)
     yield Case(f"causal, {t} x {t}, chunks of {randint(2, 4, gen)}",
                (*padded_inputs(t, t, d, dv, gen, causal=True), randint(2, 4, gen)))
+    # the edges, on every seed: a last chunk of a single key, and one chunk longer than the keys
+    yield Case("Tq=5, Tk=13, chunks of 4 (a last chunk of one key), padded query [2]",
+               (*padded_inputs(5, 13, d, dv, gen, padded=[2], alibi=0.25), 4))
+    yield Case("Tq=4, Tk=6, one chunk of 8 (longer than the keys)",
+               (*padded_inputs(4, 6, d, dv, gen), 8))
 
 
 # ch09.memory_exponent (measure): the naive and the tiled attention on every seed, three lengths
