@@ -19,7 +19,8 @@ import math
 import torch
 
 from ..attention import scaled_dot_product_attention, softmax
-from .cases import answers_changed, expect_close_tensor, expect_tensor, randn
+from .cases import (answers_changed, expect_close_tensor, expect_tensor, randn,
+                    softmax_without_shift)
 from .exercise import Case, Exercise, Mistake, register
 from .operations import ELEMENTARY, NO_LIBRARY_ATTENTION, NO_LIBRARY_SOFTMAX, SOFTMAX
 
@@ -80,11 +81,6 @@ register(Exercise(
                     q, k, None if scale is None else 1.0 / scale)),
     ),
 ))
-
-
-def _softmax_no_shift(x, dim=-1):
-    e = x.exp()
-    return e / e.sum(dim=dim, keepdim=True)
 
 
 def _softmax_nan_rows(x, dim=-1):
@@ -154,7 +150,7 @@ register(Exercise(
         Mistake("a row whose entries are all -inf gives NaN (0/0, or -inf - (-inf) once you "
                 "subtract its max): such a row must give zeros", _softmax_nan_rows),
         Mistake("you exponentiate without subtracting each row's maximum first: exp overflows "
-                "to inf (and inf/inf is NaN)", _softmax_no_shift),
+                "to inf (and inf/inf is NaN)", softmax_without_shift),
         Mistake("you always take the softmax over the last axis: use the dim you were given",
                 lambda x, dim=-1: softmax(x, dim=-1)),
         Mistake("you subtract the maximum of the whole tensor, not of each row: a row far below "
@@ -201,7 +197,7 @@ register(Exercise(
     mistakes=(
         Mistake("your softmax exponentiates the raw scores: past 709 exp is inf, and inf / inf "
                 "is NaN; subtract the row maximum first",
-                lambda q, k, v, scale=None: _softmax_no_shift(
+                lambda q, k, v, scale=None: softmax_without_shift(
                     attention_scores_reference(q, k, scale)) @ v),
         Mistake("you did not scale the scores by 1/sqrt(D)",
                 lambda q, k, v, scale=None: attention_reference(q, k, v, scale=1.0)),

@@ -322,13 +322,12 @@ async def _run_notebook(nb, restored: Restored, evaluations: dict[int, Evaluatio
                                  f"ended before {evaluations[index].graded.grade_id} was "
                                  "graded (no points lost: a graded call runs in the kernel "
                                  "alone, and from then on the kernel can start no process)")
-                if problem and options.sandbox:
+                if problem:  # graded anyway only where the instructor gave up the sandbox
                     flags.append(f"the kernel could not be kept from starting processes "
-                                 f"({problem}); the rest of the notebook was not graded")
-                    break
-                if problem:
-                    flags.append(f"the kernel could not be kept from starting processes "
-                                 f"({problem})")
+                                 f"({problem})" + ("; the rest of the notebook was not graded"
+                                                   if options.sandbox else ""))
+                    if options.sandbox:
+                        break
             if index in evaluations:
                 evaluation = evaluations[index]
                 evaluation.run, evaluation.answer, evaluation.hits = await kernel.evaluate(

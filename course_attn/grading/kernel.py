@@ -159,7 +159,7 @@ class Kernel:
     def _sandbox_prefix(self) -> list[str]:
         return sandbox.command(readonly=[str(self.site), *self.extra_path, str(self.given),
                                          str(self.rundir)],
-                               writable=[], workdir=str(self.workdir),
+                               workdir=str(self.workdir),
                                private={str(self.workdir): WORK_BYTES})
 
     async def start(self) -> None:

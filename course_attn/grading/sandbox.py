@@ -70,7 +70,7 @@ def _outermost(paths) -> list[str]:
     return kept
 
 
-def command(*, readonly: list[str], writable: list[str], workdir: str,
+def command(*, readonly: list[str], workdir: str,
             private: dict[str, int] | None = None) -> list[str]:
     """The ``bwrap`` arguments that run a command (appended after them) in the sandbox.
     ``private``: folders (path -> bytes) that are a tmpfs of that size in the sandbox, seen by
@@ -89,8 +89,6 @@ def command(*, readonly: list[str], writable: list[str], workdir: str,
     args += ["--proc", "/proc", "--dev", "/dev", "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
     for path in _outermost([*python_folders(), *readonly]):
         args += ["--ro-bind", path, path]
-    for path in writable:
-        args += ["--bind", path, path]
     for path, size in (private or {}).items():
         args += ["--size", str(size), "--tmpfs", path]
     for device in sorted(Path("/dev").glob("nvidia*")):  # a GPU, where there is one
@@ -112,7 +110,7 @@ def unavailable() -> str | None:
         return f"the grading sandbox needs bubblewrap: {INSTALL_HINT}"
     from . import confine
     source = Path(confine.__file__).read_text(encoding="utf-8")
-    probe = command(readonly=[], writable=[], workdir="/tmp") + [
+    probe = command(readonly=[], workdir="/tmp") + [
         sys.executable, "-c", source + _FILTER_PROBE]
     try:
         done = subprocess.run(probe, capture_output=True, text=True, timeout=60)
