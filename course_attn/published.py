@@ -1,5 +1,8 @@
 """Published models' configurations: every real-model figure the book quotes, in one table.
 
+GPUs are rows too (their datasheet peak and memory bandwidth), so that a roofline reads them
+from here (``course_attn.roofline``).
+
 Each row is one fact: (model, field, value, source). The source names where the figure is
 published: a paper's section or table, or the model's ``config.json`` on the Hugging Face Hub.
 The chapters read these values instead of typing them (``published.value("Llama 3 8B",
@@ -38,6 +41,12 @@ _GEMMA3 = "Gemma Team 2025 (Gemma 3), section 2; google/gemma-3-4b-pt config.jso
 _STREAMING = "Xiao et al. 2024 (StreamingLLM), section 3.3"
 _GPT2 = "openai-community/gpt2 config.json"
 _GQA = "Ainslie et al. 2023 (GQA), section 3.1 (uptraining: alpha = 0.05 of pre-training steps)"
+# NVIDIA's datasheets give the tensor-core figures "with sparsity" (2:4 structured); the dense
+# peak that ordinary matmuls reach at best is half of it: 1,979 / 2 = 989.4 TFLOP/s in BF16.
+_H100 = ("NVIDIA H100 Tensor Core GPU datasheet, specifications table, H100 SXM column "
+         "(BF16 Tensor Core 1,979 TFLOPS with sparsity; GPU memory bandwidth 3.35 TB/s)")
+_H200 = ("NVIDIA H200 Tensor Core GPU datasheet, specifications table, H200 SXM column "
+         "(BF16 Tensor Core 1,979 TFLOPS with sparsity; GPU memory bandwidth 4.8 TB/s)")
 
 FACTS: tuple[Fact, ...] = (
     # Llama 2 7B: multi-head attention, RoPE at base 10000
@@ -108,6 +117,11 @@ FACTS: tuple[Fact, ...] = (
     Fact("GPT-2 small", "n_layer", 12, _GPT2),
     Fact("GPT-2 small", "n_positions", 1024, _GPT2),
     Fact("GPT-2 small", "vocab_size", 50257, _GPT2),
+    # GPUs: dense BF16 tensor-core peak and HBM bandwidth, the two ends of a roofline
+    Fact("H100 SXM", "bf16_dense_tflops", 989.4, _H100),
+    Fact("H100 SXM", "hbm_bandwidth_tb_s", 3.35, _H100),
+    Fact("H200 SXM", "bf16_dense_tflops", 989.4, _H200),
+    Fact("H200 SXM", "hbm_bandwidth_tb_s", 4.8, _H200),
 )
 
 
