@@ -25,8 +25,9 @@ src > r (later positions): that step computes nothing, and the block is still pa
 the tiled forward's skipping of tiles above the diagonal, one level up.
 
 - ``ring_attention``: the algorithm, called on every rank of an initialised
-  ``torch.distributed`` process group (gloo on CPUs, NCCL on GPUs; tensors stay on their
-  device). Forward only.
+  ``torch.distributed`` process group; tensors stay on their device. It only sends and receives
+  point to point, which gloo offers on CPUs and NCCL on GPUs, but it is run and tested over gloo
+  on CPUs only (tests/test_ring.py), never over NCCL. Forward only.
 - ``run_ring_attention``: for notebooks and tests: takes the whole sequence on the CPU, starts
   ``world_size`` processes (``spawn``) that form a gloo group on 127.0.0.1, runs
   ``ring_attention`` in each and returns the concatenated output.
@@ -81,8 +82,9 @@ def ring_attention(
     overlaps the arithmetic; the partial states are merged with ``merge_attention_states``.
     Half precision is accumulated in float32 and returned in q's dtype.
 
-    Every rank must call it with the same options; over NCCL, each rank must have called
-    ``torch.cuda.set_device`` first, as for any NCCL point-to-point operation.
+    Every rank must call it with the same options. Tested over gloo only; over NCCL (untested
+    here), each rank would first call ``torch.cuda.set_device``, as for any NCCL point-to-point
+    operation.
 
     Forward only: a ValueError when an input requires grad while gradients are enabled. A
     ValueError, too, when no process group is initialised, and (naming the shapes) for inputs
