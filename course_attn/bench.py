@@ -3,25 +3,30 @@
 The one command line of the benchmarks: by default this module's ``run_bench``; with ``--decode``
 ``decode_bench``'s generation with and without a KV cache; with ``--linear`` ``linear_bench``'s
 linear attention against SDPA. All three measure with ``timing`` (warm-up until the times settle,
-turns that rotate, the median, peak memory measured; see there how).
+interleaved rounds, ratios taken per round, peak memory measured; see there how), with
+``--threads`` CPU threads (default 1: then a time is the processor time of that thread, which a
+busy machine inflates far less than wall time).
 
-For each sequence length T, every backend runs on the same q, k, v of shape (B, H, T, D), and the
-backends take turns within each repeat. Each row reports, for one (backend, T):
+For each sequence length T, every backend runs on the same q, k, v of shape (B, H, T, D), once in
+each of ``repeats`` rounds, in an order that rotates from round to round. Each row reports, for
+one (backend, T):
 
-- ``time_ms``: the median of ``repeats`` timed calls (``kept`` says how many it is over), made
-  after the warm-up, the device synchronised before the clock is read.
-- ``warmup_calls`` and ``settled``: the untimed calls made first, until each backend's times
-  settled (``timing.has_settled``); one that had not after ``max_warmup`` calls or
-  ``timing.WARMUP_BUDGET_MS`` is timed anyway, with ``settled=False``, its time marked ``*``.
-- ``peak_mib``: the most memory the call held at once beyond what was allocated before it,
-  measured (``timing.peak_memory_bytes``).
+- ``time_ms``: the median of its time over the rounds (``kept`` says how many), made after the
+  warm-up, the device synchronised before the clock is read; ``settled`` False and a ``*`` when
+  the rounds' times spread more than ``timing.SPREAD_TOLERANCE``.
+- ``time_ratio``: the median over rounds of its time over ``"sdpa"``'s in the same round, None
+  (``withheld`` says why; the table says "not settled") when those ratios spread more than
+  ``timing.SPREAD_TOLERANCE`` or were fewer than ``timing.MIN_ROUNDS``, or ``"sdpa"`` is not in
+  the run or failed.
+- ``warmup_calls`` and ``warmup_settled``: the untimed calls made first, until each backend's
+  times settled (``timing.has_settled``), at most ``max_warmup`` or ``timing.WARMUP_BUDGET_MS``.
+- ``peak_mib`` and ``mem_ratio``: the most memory the call held at once beyond what was allocated
+  before it, measured (``timing.peak_memory_bytes``), and that over ``"sdpa"``'s.
 
-``time_ratio`` and ``mem_ratio`` divide by ``"sdpa"``'s row at the same T (None when ``"sdpa"``
-is not in the run or failed). A backend that raises at some T (out of memory, unsupported
-options) gets a row carrying the error instead of stopping the run. A bad option, or a device
-that this machine or this build of PyTorch does not have, is a ``ValueError`` before anything
-runs; on the command line every option is checked, by the name it was typed with, before any
-timing: one line on stderr, exit status 2.
+A backend that raises at some T (out of memory, unsupported options) gets a row carrying the
+error instead of stopping the run. A bad option, or a device that this machine or this build of
+PyTorch does not have, is a ``ValueError`` before anything runs; on the command line every option
+is checked, by the name it was typed with, before any timing: one line on stderr, exit status 2.
 
 Python: ``rows = run_bench(["math", "sdpa"], (256, 512)); print(format_table(rows))``.
 """
@@ -43,9 +48,9 @@ from .linear import FEATURE_MAPS
 from .linear_bench import main_linear
 from .masks import check_window
 from .timing import (
-    BASELINE, DTYPES, MAX_WARMUP, MIB, WARMUP_BUDGET_MS, BenchRow, check_device,
-    check_positive_list, check_sizes, format_table, free_cached, hardware, has_settled, measure,
-    peak_memory_bytes, rows_at, warm_up,
+    BASELINE, DTYPES, MAX_WARMUP, MIB, MIN_ROUNDS, SPREAD_TOLERANCE, WARMUP_BUDGET_MS, BenchRow,
+    check_device, check_positive_list, check_sizes, format_table, free_cached, hardware,
+    has_settled, measure, peak_memory_bytes, rows_at, torch_threads, warm_up,
 )
 
 # Names that notebooks and tests import from here; they live in ``timing``.
@@ -59,20 +64,23 @@ def run_bench(
     backends: Sequence[str] | None = None, seq_lens: Sequence[int] = (256, 512, 1024), *,
     batch: int = 1, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.float32,
     is_causal: bool = False, window: int | None = None, device=None, repeats: int = 5,
-    max_warmup: int = MAX_WARMUP,
+    max_warmup: int = MAX_WARMUP, threads: int | None = 1,
 ) -> list[BenchRow]:
     """Time and peak memory of each backend at each T, on q, k, v of shape (B, H, T, D).
 
     ``backends``: names in ``BACKENDS`` (default: every one registered when this is called).
     ``is_causal`` and ``window`` are passed to every backend. Each backend is warmed up (at most
-    ``max_warmup`` calls) until its times settle, then timed ``repeats`` times. Returns one
-    ``BenchRow`` per (T, backend), T-major, ratios taken to ``"sdpa"`` at the same T.
+    ``max_warmup`` calls) until its times settle, then timed once in each of ``repeats`` rounds,
+    with ``threads`` CPU threads (None: as set now). Returns one ``BenchRow`` per (T, backend),
+    T-major, ratios taken per round to ``"sdpa"`` at the same T.
     ``ValueError`` for a bad option or a device that is not available.
     """
     names = list(BACKENDS) if backends is None else list(dict.fromkeys(backends))
     seq_lens = list(seq_lens)
     check_sizes(seq_lens, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
                 repeats=repeats, max_warmup=max_warmup)
+    if threads is not None:
+        check_positive_ints(threads=threads)
     if not names:
         raise ValueError("no backend to benchmark")
     for name in names:
@@ -81,7 +89,8 @@ def run_bench(
     device = default_device() if device is None else check_device(device)
     common = dict(batch=batch, heads=heads, head_dim=head_dim,
                   dtype=str(dtype).removeprefix("torch."), is_causal=bool(is_causal),
-                  window=window, device=str(device), repeats=repeats)
+                  window=window, device=str(device), repeats=repeats,
+                  threads=torch.get_num_threads() if threads is None else threads)
     rows: list[BenchRow] = []
     for t in seq_lens:
         generator = torch.Generator().manual_seed(t)
@@ -90,7 +99,7 @@ def run_bench(
         calls = {name: (lambda fn=get_backend(name):
                         fn(q, k, v, is_causal=is_causal, window=window))
                  for name in names}
-        results = measure(calls, device, repeats, max_warmup)
+        results = measure(calls, device, repeats, max_warmup, threads=threads)
         del q, k, v, calls
         free_cached(device)
         rows += rows_at(t, results, **common)
@@ -102,8 +111,9 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Time and peak memory of every attention backend on random q, k, v of shape "
                     "(B, H, T, D), with ratios to PyTorch's SDPA ('sdpa'). Each backend is "
-                    "warmed up until its times settle, then timed; the table gives the median "
-                    "and how many timed calls it kept.")
+                    "warmed up until its times settle, then timed once per round, the backends "
+                    "taking turns; the table gives the median over the rounds, and a ratio only "
+                    "where the rounds agree.")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024], metavar="T",
                    help="sequence lengths T to measure, each in its own block of the table "
                         "(default: 256 512 1024)")
@@ -128,8 +138,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="where to run: cpu, cuda, cuda:1, mps (default: the first present of "
                         f"cuda, mps and cpu; here {default_device()})")
     p.add_argument("--repeats", type=int, default=None, metavar="N",
-                   help="timed calls per backend and length after the warm-up; the time shown "
-                        "is their median (default: 5; with --decode, 3)")
+                   help="rounds after the warm-up, each timing every backend once; the time "
+                        "shown is the median over rounds, a ratio the median of each round's "
+                        f"ratio, withheld unless there are {MIN_ROUNDS} rounds or more and they "
+                        f"agree within {SPREAD_TOLERANCE:g} (default: 5; with --decode, 3)")
     p.add_argument("--max-warmup", type=int, default=MAX_WARMUP, metavar="N",
                    help="untimed calls at most before timing, stopping sooner once the times "
                         f"settle or after {WARMUP_BUDGET_MS / 1000:g} s (default: %(default)s)")
@@ -168,6 +180,10 @@ def _parser() -> argparse.ArgumentParser:
                              "keys (default: %(default)s)")
     linear.add_argument("--step-lens", type=int, nargs="+", default=[512, 4096], metavar="L",
                         help="lengths after which one decode step is timed (default: 512 4096)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="CPU threads PyTorch may use while measuring; with 1 a CPU time is the "
+                        "processor time of that thread, which other busy programs inflate far "
+                        "less than wall time, used with more (default: %(default)s)")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the rows and the hardware to this JSON file "
                         "(default: none)")
@@ -212,7 +228,7 @@ def _check_args(args: argparse.Namespace, given: dict) -> str:
         raise ValueError("--linear and --decode are two benchmarks: give one of them")
     mode = "--decode" if args.decode else "--linear" if args.linear else "backends"
     unused = [_typed(dest, value) for dest, value in given.items()
-              if dest not in USES[mode] | {"decode", "linear", "device", "json"}]
+              if dest not in USES[mode] | {"decode", "linear", "device", "json", "threads"}]
     if unused:
         what = ("the backends benchmark (no --decode or --linear)" if mode == "backends"
                 else mode)
@@ -222,6 +238,7 @@ def _check_args(args: argparse.Namespace, given: dict) -> str:
     counts = {dest: getattr(args, dest) for dest in ("batch", "heads", "head_dim", "repeats",
                                                       "max_warmup", "prompt_len", "chunk_size")
               if dest in USES[mode]}
+    counts["threads"] = args.threads
     check_positive_ints(**{_typed(dest, n): n for dest, n in counts.items()})
     if mode == "backends" and args.window is not None:
         check_positive_ints(**{"--window": args.window})
@@ -245,20 +262,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     start = time.perf_counter()
     try:    # the functions check again, by their Python names: a check missed above still ends
-        if mode == "--linear":          # in one line
-            text, report = main_linear(args, device)
-        elif mode == "--decode":
-            text, report = main_decode(args, device)
-        else:
-            rows = run_bench(args.backends, args.seq_lens, batch=args.batch, heads=args.heads,
-                             head_dim=args.head_dim, dtype=DTYPES[args.dtype],
-                             is_causal=args.causal, window=args.window, device=device,
-                             repeats=args.repeats, max_warmup=args.max_warmup)
+        with torch_threads(args.threads):   # in one line
+            if mode == "--linear":
+                text, report = main_linear(args, device)
+            elif mode == "--decode":
+                text, report = main_decode(args, device)
+            else:
+                rows = run_bench(args.backends, args.seq_lens, batch=args.batch,
+                                 heads=args.heads, head_dim=args.head_dim,
+                                 dtype=DTYPES[args.dtype], is_causal=args.causal,
+                                 window=args.window, device=device, repeats=args.repeats,
+                                 max_warmup=args.max_warmup, threads=args.threads)
     except ValueError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
-    info = hardware(device)
+    info = {**hardware(device), "torch_threads": args.threads}
     if mode != "backends":
         print(f"{info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, "
               f"torch {info['torch']}")
@@ -267,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _write_json(args.json, report)
     print(f"{info['device_name']} ({info['device']}), {info['cpu_count']} CPUs, "
           f"torch {info['torch']} | B={args.batch} H={args.heads} D={args.head_dim} "
-          f"{args.dtype} causal={args.causal} window={args.window} repeats={args.repeats}")
+          f"{args.dtype} causal={args.causal} window={args.window} repeats={args.repeats} "
+          f"threads={args.threads}")
     print(format_table(rows))
     print(f"({elapsed:.1f} s)")
     return _write_json(args.json, {"hardware": info, "elapsed_s": elapsed,

@@ -3,10 +3,14 @@
 Two measurements, each taken in one run on one machine:
 
 - ``run_decode_bench``: the tiny GPT (``GPTConfig`` defaults, RoPE positions) generates N tokens
-  greedily from a random prompt, with ``use_cache=True`` and ``use_cache=False`` taking turns
-  (so machine noise hits both alike). Per N: the median wall time of each, tokens per second, the
-  speed-up, the bytes of the caches (``KVCache.nbytes``: allocated, not computed) and the peak
-  memory of each run (``timing.peak_memory_bytes``).
+  greedily from a random prompt, with ``use_cache=True`` and ``use_cache=False`` once each per
+  round, the first of the two alternating (so a load that comes and goes hits both alike). Per N:
+  the median time of each (``timing.time_call_ms``: processor time on one CPU thread, else wall
+  time), tokens per second, the speed-up (the median over rounds of each round's uncached time
+  over its cached one, and their ``timing.spread``; withheld by the table and the JSON, as "not
+  settled", unless the rounds agree: ``timing.rounds_agree``), the bytes of the caches
+  (``KVCache.nbytes``: allocated, not computed) and the peak memory of each run
+  (``timing.peak_memory_bytes``).
 - ``run_cache_update_bench``: the time of appending one token's keys and values to a cache that
   already holds L tokens, in place (``KVCache.update``) and by ``torch.cat`` (which copies all L):
   in place, the cost does not depend on L.
@@ -23,12 +27,21 @@ import torch
 from .arguments import check_positive_ints
 from .kv_cache import KVCache
 from .model import GPT, GPTConfig, generate
-from .timing import MIB, check_positive_list, peak_memory_bytes, synchronize, time_call_ms
+from .timing import (
+    MIB, NOT_SETTLED, check_positive_list, peak_memory_bytes, spread, synchronize, time_call_ms,
+    withheld_ratio,
+)
 
 
 @dataclass
 class DecodeRow:
-    """N new tokens after a prompt of ``prompt_len``: times in ms, memory in MiB."""
+    """N new tokens after a prompt of ``prompt_len``: times in ms, memory in MiB.
+
+    ``speedup``: the median over rounds of the uncached time over the cached one in the same
+    round; ``speedup_spread``: their interquartile range over that median (None with fewer than
+    ``timing.MIN_ROUNDS`` rounds); ``withheld``: why the speed-up is not to be read (its rounds
+    did not agree), None when it is. The table and the JSON then print "not settled" and null.
+    """
 
     new_tokens: int
     prompt_len: int
@@ -42,6 +55,8 @@ class DecodeRow:
     uncached_peak_mib: float | None
     repeats: int
     device: str
+    speedup_spread: float | None = None
+    withheld: str | None = None
 
 
 @dataclass
@@ -88,16 +103,17 @@ def run_decode_bench(new_tokens: Sequence[int] = (64, 128, 256), *, prompt_len: 
         for r in range(repeats):
             for cached in ((True, False) if r % 2 == 0 else (False, True)):
                 times[cached].append(time_call_ms(runs[cached], device))
+        speedups = [slow / fast for slow, fast in zip(times[False], times[True])]
         peaks = {cached: peak_memory_bytes(runs[cached], device) if memory else None
                  for cached in runs}
         cached_ms, uncached_ms = statistics.median(times[True]), statistics.median(times[False])
         capacity = min(prompt_len + n - 1, model.config.seq_len)
         cache_bytes = sum(c.nbytes for c in model.new_caches(batch, capacity, device=device))
         rows.append(DecodeRow(
-            n, prompt_len, cached_ms, uncached_ms, uncached_ms / cached_ms,
+            n, prompt_len, cached_ms, uncached_ms, statistics.median(speedups),
             n * batch / cached_ms * 1e3, n * batch / uncached_ms * 1e3, cache_bytes / MIB,
             *(None if peaks[c] is None else peaks[c] / MIB for c in (True, False)),
-            repeats, str(device)))
+            repeats, str(device), spread(speedups), withheld_ratio(speedups)[1]))
     return rows
 
 
@@ -142,10 +158,12 @@ def run_cache_update_bench(cached_lens: Sequence[int] = (512, 16384), *, heads: 
 
 def format_decode_table(rows: Sequence[DecodeRow]) -> str:
     """The decode rows as a fixed-width text table."""
-    header = ("new tokens", "cache ms", "no cache ms", "speed-up", "cache tok/s",
+    header = ("new tokens", "cache ms", "no cache ms", "speed-up", "spread", "cache tok/s",
               "no cache tok/s", "cache MiB", "peak MiB cache", "peak MiB no cache")
     lines = [header] + [(str(r.new_tokens), f"{r.cached_ms:.0f}", f"{r.uncached_ms:.0f}",
-                         f"{r.speedup:.1f}x", f"{r.cached_tokens_per_s:.0f}",
+                         "not settled" if r.withheld else f"{r.speedup:.1f}x",
+                         "-" if r.speedup_spread is None else f"{r.speedup_spread:.2f}",
+                         f"{r.cached_tokens_per_s:.0f}",
                          f"{r.uncached_tokens_per_s:.0f}", f"{r.cache_mib:.3f}",
                          "-" if r.cached_peak_mib is None else f"{r.cached_peak_mib:.2f}",
                          "-" if r.uncached_peak_mib is None else f"{r.uncached_peak_mib:.2f}")
@@ -153,6 +171,11 @@ def format_decode_table(rows: Sequence[DecodeRow]) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
+    out.append("speed-up: the median over rounds of the time without the cache over the time "
+               "with it")
+    out.append("spread: the interquartile range of those ratios over their median")
+    if any(r.withheld for r in rows):
+        out.append(f"not settled: the rounds did not agree, or were too few: {NOT_SETTLED}")
     return "\n".join(out)
 
 
@@ -180,7 +203,8 @@ def main_decode(args, device: torch.device) -> tuple[str, dict]:
                                      device=device)
     c = model.config
     report = {"config": dataclasses.asdict(c), "prompt_len": args.prompt_len,
-              "decode": [dataclasses.asdict(r) for r in decode],
+              "decode": [{**dataclasses.asdict(r), "speedup": None if r.withheld else r.speedup}
+                         for r in decode],
               "cache_update": [dataclasses.asdict(r) for r in updates]}
     return "\n".join([
         f"Greedy generation from the tiny GPT (d_model={c.d_model}, n_heads={c.n_heads}, "

@@ -1,18 +1,32 @@
-"""How the benchmarks measure a call: warm-up until settled, the median, peak memory, the device.
+"""How the benchmarks measure: warm-up until settled, interleaved rounds, ratios per round, peak
+memory, the device.
 
 The three benchmarks (``bench``: the attention backends, ``linear_bench``, ``decode_bench``) time
 and measure with these, and print their comparisons with ``BenchRow`` and ``format_table``:
 
-- ``time_call_ms``: one call's wall time; the device is synchronised before the clock is read,
-  so on CUDA the time is the kernels', not the launch's.
+- ``time_call_ms``: one call's time. On a CPU that PyTorch runs on one thread (``torch_threads``)
+  it is the processor time the process spent (``time.process_time``): what the call cost, without
+  the time the operating system gave to other programs, so a busy machine inflates it far less
+  than a wall clock. With more threads, and on a GPU, it is wall time (``time.perf_counter``),
+  the device synchronised before the clock is read, so on CUDA the time is the kernels', not the
+  launch's: the processor time of several threads would count the time they spend waiting for
+  each other, and a busy machine makes them wait (on 2 shared cores, flash's many small operators
+  took 4-7 times longer on 2 threads than on 1).
 - ``warm_up`` and ``has_settled``: the first calls at a new shape can be far slower than the rest
   (on a 2-core CPU the first five took 60-96 ms, later ones 1.5 ms), so calls are made in turns,
   and thrown away, until each one's times settle: the last ``SETTLE_WINDOW`` calls lie within
   ``SETTLE_TOLERANCE`` of their median, and that median within the same tolerance of the
   ``SETTLE_WINDOW`` calls before them. A call that has not settled after ``MAX_WARMUP`` calls or
-  ``WARMUP_BUDGET_MS`` of calls is timed anyway, with ``settled=False``.
-- ``measure``: warm-up, then ``repeats`` timed calls in turns (the order rotating from one repeat
-  to the next, so a burst of machine noise hits them all alike), their median, and peak memory.
+  ``WARMUP_BUDGET_MS`` of calls is timed anyway (the rounds then say whether its times agree).
+- ``measure``: warm-up, then ``repeats`` rounds; each round calls every name once, in an order
+  that rotates from round to round, and divides each name's time by the ``BASELINE``'s time in
+  the same round. A load that comes and goes then hits every name of a round alike, and the
+  round's ratio keeps its value. The reported ratio is the median of the per-round ratios.
+- ``spread`` and ``rounds_agree``: whether a series over rounds (the times, or the ratios) has
+  settled: at least ``MIN_ROUNDS`` values, and their interquartile range at most
+  ``SPREAD_TOLERANCE`` of their median. ``rows_at`` withholds a ratio whose rounds do not agree
+  (``time_ratio`` None, ``withheld`` says why: ``NOT_SETTLED``), and ``format_table`` prints
+  "not settled" in its place; a time whose rounds do not agree is marked ``*``.
 - ``peak_memory_bytes``: the most memory a call held at once beyond what was allocated before it,
   measured, never computed from a formula:
 
@@ -37,7 +51,8 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +67,9 @@ SETTLE_WINDOW = 3          # calls compared to decide the times have settled
 SETTLE_TOLERANCE = 0.25    # how far (a fraction of the median) a settled time may stray
 MAX_WARMUP = 30            # warm-up calls at most, per call and length
 WARMUP_BUDGET_MS = 2000.0  # warm-up time at most, per call and length
+MIN_ROUNDS = 3             # rounds needed before their spread can say anything
+SPREAD_TOLERANCE = 0.15    # the most a settled series may spread: interquartile range / median
+NOT_SETTLED = "not settled on this machine: run it again"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
 
@@ -158,13 +176,36 @@ def hardware(device=None) -> dict:
 # --- one call: its time and its peak memory -----------------------------------------------------
 
 
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` CPU threads for PyTorch's operators (None: as set now),
+    and give the setting back afterwards."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        check_positive_ints(threads=threads)
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def clock_name(device: torch.device) -> str:
+    """``"processor"`` where ``time_call_ms`` reads the process's processor time (a CPU that
+    PyTorch runs on one thread), ``"wall"`` elsewhere."""
+    one_thread = torch.device(device).type == "cpu" and torch.get_num_threads() == 1
+    return "processor" if one_thread else "wall"
+
+
 def time_call_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Milliseconds that ``fn()`` takes on ``device``, synchronised before and after."""
+    """Milliseconds that ``fn()`` takes on ``device``, synchronised before and after: processor
+    time on a CPU running one thread, wall time elsewhere (``clock_name``)."""
+    clock = time.process_time if clock_name(device) == "processor" else time.perf_counter
     synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     fn()
     synchronize(device)
-    return (time.perf_counter() - start) * 1e3
+    return (clock() - start) * 1e3
 
 
 def _peak_bytes_cuda(fn: Callable[[], object], device: torch.device) -> int:
@@ -271,23 +312,58 @@ def warm_up(timed_calls: dict, *, max_calls: int = MAX_WARMUP,
     return done
 
 
+def spread(values: Sequence[float]) -> float | None:
+    """The interquartile range of ``values`` over their median (0.1: the middle half lies within
+    10% of the median); None with fewer than ``MIN_ROUNDS`` values, or a median of 0."""
+    if len(values) < MIN_ROUNDS:
+        return None
+    middle = statistics.median(values)
+    if middle == 0:
+        return None
+    first, _, third = statistics.quantiles(values, n=4, method="inclusive")
+    return (third - first) / middle
+
+
+def rounds_agree(values: Sequence[float], tolerance: float = SPREAD_TOLERANCE) -> bool:
+    """Whether a series over rounds has settled: ``spread`` is known and at most ``tolerance``."""
+    width = spread(values)
+    return width is not None and width <= tolerance
+
+
 @dataclass
 class Measured:
-    """One call's measurements at one size (a successful one): its median time over ``kept``
-    timed calls, its peak memory in MiB, and how its warm-up went."""
+    """One call's measurements at one size (a successful one).
+
+    ``times_ms``: its time in each round it ran (``kept`` of them), ``time_ms`` their median;
+    ``round_ratios``: its time over the baseline's in each round where both ran (None when the
+    baseline was not measured); ``clock``: ``"processor"`` or ``"wall"`` (``clock_name``);
+    ``peak_mib``: its peak memory; ``warmup``: how its warm-up went.
+    """
 
     time_ms: float
     peak_mib: float | None
     warmup: Warmup
     kept: int
+    times_ms: list[float] | None = None
+    round_ratios: list[float] | None = None
+    clock: str | None = None
 
 
 def measure(calls: dict[str, Callable[[], Tensor]], device: torch.device, repeats: int,
-            max_warmup: int = MAX_WARMUP) -> dict:
-    """Warm each call up until its times settle, time them all in turns, then measure memory.
+            max_warmup: int = MAX_WARMUP, *, baseline: str = BASELINE,
+            threads: int | None = None) -> dict:
+    """Warm each call up until its times settle, time them in ``repeats`` interleaved rounds,
+    then measure memory; all of it with ``threads`` CPU threads (None: as set now).
 
-    Returns name -> ``Measured``, or name -> the error string when it raised.
+    Each round calls every name once, in an order that rotates from round to round, and each
+    name's time in a round is divided by ``baseline``'s time in the same round. Returns name ->
+    ``Measured``, or name -> the error string when it raised.
     """
+    with torch_threads(threads):
+        return _measure(calls, torch.device(device), repeats, max_warmup, baseline)
+
+
+def _measure(calls, device, repeats, max_warmup, baseline) -> dict:
     errors: dict[str, str] = {}
 
     def attempt(name, how):
@@ -304,17 +380,26 @@ def measure(calls: dict[str, Callable[[], Tensor]], device: torch.device, repeat
     warmups = warm_up({name: (lambda name=name: timed(name)) for name in calls},
                       max_calls=max_warmup)
     times: dict[str, list[float]] = {name: [] for name in calls}
+    ratios: dict[str, list[float]] = {name: [] for name in calls}
     for r in range(repeats):
+        this_round = {}
         for name in rotated([n for n in calls if n not in errors], r):
             elapsed = timed(name)
             if elapsed is not None:
+                this_round[name] = elapsed
                 times[name].append(elapsed)
+        if this_round.get(baseline):
+            for name, elapsed in this_round.items():
+                ratios[name].append(elapsed / this_round[baseline])
     peaks = {name: attempt(name, lambda call: peak_memory_bytes(call, device))
              for name in calls if name not in errors}
+    has_baseline = baseline in calls and baseline not in errors
+    clock = clock_name(device)
     return {name: errors[name] if name in errors else
             Measured(statistics.median(times[name]),
                      None if peaks[name] is None else peaks[name] / MIB,
-                     warmups[name], len(times[name]))
+                     warmups[name], len(times[name]), times[name],
+                     ratios[name] if has_baseline else None, clock)
             for name in calls}
 
 
@@ -325,8 +410,14 @@ def measure(calls: dict[str, Callable[[], Tensor]], device: torch.device, repeat
 class BenchRow:
     """One backend at one sequence length. Times in milliseconds, memory in MiB (2**20 bytes).
 
-    ``repeats`` is how many timed calls were asked for and ``kept`` how many the median is over;
-    ``warmup_calls`` and ``settled`` say how the warm-up before them went (None on a failed row).
+    ``time_ms``: the median of its time over the rounds (``kept`` of the ``repeats`` asked for),
+    on the ``clock`` that ``timing.clock_name`` names; ``time_spread``: their interquartile range
+    over that median, and ``settled`` whether it is within ``SPREAD_TOLERANCE`` (``rounds_agree``).
+    ``time_ratio``: the median over rounds of its time over the baseline's in the same round, or
+    None when it is withheld: ``withheld`` then says why (the rounds' ratios did not agree, their
+    ``ratio_spread``, or no baseline). ``warmup_calls`` and ``warmup_settled``: how the warm-up
+    before the rounds went. ``threads``: CPU threads PyTorch ran on. Fields after ``repeats`` are
+    None on a failed row.
     """
 
     backend: str
@@ -347,25 +438,51 @@ class BenchRow:
     warmup_calls: int | None = None
     settled: bool | None = None
     kept: int | None = None
+    time_spread: float | None = None
+    ratio_spread: float | None = None
+    withheld: str | None = None
+    warmup_settled: bool | None = None
+    clock: str | None = None
+    threads: int | None = None
+
+
+def withheld_ratio(ratios: Sequence[float] | None) -> tuple[float | None, str | None]:
+    """The ratio to report from per-round ``ratios`` (their median) and None, or None and why it
+    is withheld: no baseline in the rounds, or rounds that do not agree (``NOT_SETTLED``)."""
+    if not ratios:
+        return None, f"no {BASELINE} in the same rounds"
+    if not rounds_agree(ratios):
+        width = spread(ratios)
+        why = (f"{len(ratios)} rounds, fewer than {MIN_ROUNDS}" if width is None
+               else f"spread {width:.2f} over {len(ratios)} rounds, above {SPREAD_TOLERANCE}")
+        return None, f"{NOT_SETTLED} ({why})"
+    return statistics.median(ratios), None
 
 
 def rows_at(seq_len: int, results: dict, **common) -> list[BenchRow]:
     """``measure``'s results at one T as ``BenchRow``s, in their order, with ratios to the
-    ``BASELINE`` row (None when it is missing or failed); ``common``: the fields they share."""
+    ``BASELINE`` row: the median of the per-round ratios, withheld unless the rounds agree (the
+    baseline's own ratio is 1 by definition); ``common``: the fields they share."""
     base = results.get(BASELINE)
-    base_time, base_mem = ((base.time_ms, base.peak_mib) if isinstance(base, Measured)
-                           else (None, None))
+    base_mem = base.peak_mib if isinstance(base, Measured) else None
     rows = []
     for name, result in results.items():
         if isinstance(result, str):
             rows.append(BenchRow(name, seq_len, None, None, None, None, result, **common))
             continue
-        time_ratio = result.time_ms / base_time if base_time else None
+        if name == BASELINE:
+            time_ratio, withheld = 1.0, None
+        else:
+            time_ratio, withheld = withheld_ratio(result.round_ratios)
         mem_ratio = (result.peak_mib / base_mem if result.peak_mib is not None and base_mem
                      else None)
-        rows.append(BenchRow(name, seq_len, result.time_ms, result.peak_mib, time_ratio,
-                             mem_ratio, None, **common, warmup_calls=result.warmup.calls,
-                             settled=result.warmup.settled, kept=result.kept))
+        times = result.times_ms or [result.time_ms]
+        rows.append(BenchRow(
+            name, seq_len, result.time_ms, result.peak_mib, time_ratio, mem_ratio, None,
+            **common, warmup_calls=result.warmup.calls, settled=rounds_agree(times),
+            kept=result.kept, time_spread=spread(times),
+            ratio_spread=spread(result.round_ratios or []), withheld=withheld,
+            warmup_settled=result.warmup.settled, clock=result.clock))
     return rows
 
 
@@ -377,15 +494,23 @@ def _count(n: int | None) -> str:
     return "-" if n is None else str(n)
 
 
+def _ratio_cell(row: BenchRow) -> str:
+    if row.time_ratio is None and row.withheld is not None and row.withheld.startswith(NOT_SETTLED):
+        return "not settled"
+    return _fmt(row.time_ratio, ".2f")
+
+
 def format_table(rows: Sequence[BenchRow]) -> str:
     """The rows as a fixed-width text table.
 
-    Columns: T, backend, time (the median), its ratio to sdpa, peak memory, its ratio to sdpa,
-    how many timed calls the median was kept over, and how many warm-up calls came before them.
-    A time whose warm-up never settled is marked ``*``, with a note under the table.
+    Columns: T, backend, time (the median over rounds), its ratio to sdpa (the median of the
+    per-round ratios) and that ratio's spread over the rounds, peak memory, its ratio to sdpa,
+    how many rounds the median was kept over, and how many warm-up calls came before them. A
+    withheld ratio reads "not settled", a time whose rounds did not agree is marked ``*``, each
+    with a note under the table, and a line says which clock the times are on.
     """
-    header = ("T", "backend", "time ms", f"x {BASELINE}", "peak MiB", f"x {BASELINE}", "kept",
-              "warm-up")
+    header = ("T", "backend", "time ms", f"x {BASELINE}", "spread", "peak MiB", f"x {BASELINE}",
+              "kept", "warm-up")
     lines = []
     for row in rows:
         if row.error is not None:
@@ -393,9 +518,9 @@ def format_table(rows: Sequence[BenchRow]) -> str:
         else:
             mark = "*" if row.settled is False else ""
             lines.append((str(row.seq_len), row.backend, _fmt(row.time_ms, ".2f") + mark,
-                          _fmt(row.time_ratio, ".2f"), _fmt(row.peak_mib, ".2f"),
-                          _fmt(row.mem_ratio, ".2f"), _count(row.kept),
-                          _count(row.warmup_calls)))
+                          _ratio_cell(row), _fmt(row.ratio_spread, ".2f"),
+                          _fmt(row.peak_mib, ".2f"), _fmt(row.mem_ratio, ".2f"),
+                          _count(row.kept), _count(row.warmup_calls)))
     ok = [line for line in lines if len(line) == len(header)]
     widths = [max(len(line[i]) for line in [header, *ok]) for i in range(len(header))]
 
@@ -412,6 +537,18 @@ def format_table(rows: Sequence[BenchRow]) -> str:
             out.append("")
         previous_t = row.seq_len
         out.append(render(cells))
+    notes = []
+    clocks = sorted({row.clock for row in rows if row.error is None and row.clock})
+    if clocks:
+        notes += ["time: " + " and ".join("processor time on one CPU thread" if c == "processor"
+                                          else "wall time" for c in clocks)
+                  + ", the median over rounds",
+                  f"x {BASELINE}: the median of each round's ratio; spread: their interquartile "
+                  "range / median"]
+    if any(row.error is None and row.withheld and row.withheld.startswith(NOT_SETTLED)
+           for row in rows):
+        notes.append(f"not settled: spread above {SPREAD_TOLERANCE}, or fewer than {MIN_ROUNDS} "
+                     f"rounds: {NOT_SETTLED}")
     if any(row.error is None and row.settled is False for row in rows):
-        out += ["", "* still changing when the warm-up stopped: a rough time"]
-    return "\n".join(out)
+        notes.append(f"* the rounds' times spread above {SPREAD_TOLERANCE}: a rough time")
+    return "\n".join(out + ([""] + notes if notes else []))

@@ -1,5 +1,6 @@
 """bench.py: one row per (backend, T), honest ratios, measured memory that grows as it should,
-a warm-up that waits for the times to settle, and a command line that explains itself."""
+a warm-up that waits for the times to settle, and a command line that explains itself. (The
+statistics of the rounds, on fake clocks: test_timing.py.)"""
 
 import json
 import subprocess
@@ -12,7 +13,7 @@ from course_attn.backends import BACKENDS, get_backend
 from course_attn.bench import (
     BenchRow, format_table, has_settled, hardware, main, peak_memory_bytes, run_bench, warm_up,
 )
-from course_attn.timing import check_device
+from course_attn.timing import NOT_SETTLED, SPREAD_TOLERANCE, check_device
 
 from helpers import one_line_error
 
@@ -21,18 +22,37 @@ MIB = 2 ** 20
 
 
 def test_one_row_per_backend_and_length_with_sdpa_as_the_unit(device):
-    rows = run_bench(["math", "sdpa"], (16, 32), device=device, **TINY)
+    rows = run_bench(["math", "sdpa"], (16, 32), device=device, **{**TINY, "repeats": 3})
     assert [(r.backend, r.seq_len) for r in rows] == [
         ("math", 16), ("sdpa", 16), ("math", 32), ("sdpa", 32)]
     by_key = {(r.backend, r.seq_len): r for r in rows}
     for r in rows:
         assert isinstance(r, BenchRow) and r.error is None
         assert r.time_ms > 0 and r.peak_mib > 0
-        assert (r.batch, r.heads, r.head_dim, r.dtype, r.repeats) == (1, 2, 8, "float32", 2)
+        assert (r.batch, r.heads, r.head_dim, r.dtype, r.repeats) == (1, 2, 8, "float32", 3)
         sdpa = by_key["sdpa", r.seq_len]
-        assert r.time_ratio == pytest.approx(r.time_ms / sdpa.time_ms)
         assert r.mem_ratio == pytest.approx(r.peak_mib / sdpa.peak_mib)
+        # the ratio is reported exactly when the rounds' ratios agree, and then lies among them
+        assert (r.time_ratio is None) == (r.ratio_spread > SPREAD_TOLERANCE)
+        assert (r.withheld is None) == (r.time_ratio is not None)
     assert all(by_key["sdpa", t].time_ratio == 1.0 == by_key["sdpa", t].mem_ratio for t in (16, 32))
+
+
+def test_fewer_rounds_than_a_spread_needs_withhold_every_ratio_but_the_unit(device):
+    rows = run_bench(["math", "sdpa"], (16,), device=device, **TINY)
+    math_row, sdpa_row = rows
+    assert math_row.time_ratio is None and math_row.withheld.startswith(NOT_SETTLED)
+    assert sdpa_row.time_ratio == 1.0 and math_row.time_ms > 0
+    assert "not settled" in format_table(rows).splitlines()[2]
+
+
+def test_the_run_measures_on_the_threads_asked_and_gives_the_setting_back(device):
+    before = torch.get_num_threads()
+    rows = run_bench(["sdpa"], (8,), device=device, threads=1, **TINY)
+    assert torch.get_num_threads() == before
+    assert rows[0].threads == 1
+    if device.type == "cpu":
+        assert rows[0].clock == "processor"
 
 
 def test_every_registered_backend_is_benchmarked_even_one_registered_later(monkeypatch, device):
@@ -83,6 +103,7 @@ def test_without_sdpa_the_ratios_are_left_empty(device):
     (dict(dtype=torch.int32), "floating"),
     (dict(backends=[]), "no backend"),
     (dict(window=0), "window must be None or an int >= 1"),
+    (dict(threads=0), "threads must be a positive int"),
 ])
 def test_bad_options_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -285,7 +306,8 @@ def test_help_says_what_each_option_means_and_its_default(capsys):
     entries = [e for e in ("\n" + options).split("\n  -")[1:] if not e.startswith("h, --help")]
     names = [e.split()[0].rstrip(",") for e in entries]
     assert names == ["-seq-lens", "-batch", "-heads", "-head-dim", "-dtype", "-causal",
-                     "-window", "-backends", "-device", "-repeats", "-max-warmup", "-json",
+                     "-window", "-backends", "-device", "-repeats", "-max-warmup", "-threads",
+                     "-json",
                      "-decode", "-new-tokens", "-prompt-len", "-cache-lens", "-model-backend",
                      "-linear", "-chunk-size", "-feature-map", "-step-lens"]
     for entry in entries:
@@ -293,7 +315,7 @@ def test_help_says_what_each_option_means_and_its_default(capsys):
         assert "(default: " in words, f"no default in: {words}"
         described = words.split("(default: ")[0]
         assert len(described.split()) >= 5, f"no explanation in: {words}"
-    assert "median" in options and "settle" in options
+    assert "median" in options and "settle" in options and "round" in options
 
 
 def test_runs_as_a_module(tmp_path):
@@ -369,9 +391,11 @@ def test_rows_say_how_many_calls_were_kept_and_how_the_warm_up_went(device):
     rows = run_bench(["math", "sdpa"], (16,), device=device, heads=2, head_dim=8, repeats=3)
     for row in rows:
         assert row.kept == 3 == row.repeats
-        assert 1 <= row.warmup_calls <= 30 and isinstance(row.settled, bool)
+        assert 1 <= row.warmup_calls <= 30 and isinstance(row.warmup_settled, bool)
+        assert row.settled == (row.time_spread <= SPREAD_TOLERANCE)
     once = run_bench(["sdpa"], (16,), device=device, heads=2, head_dim=8, repeats=2, max_warmup=1)
-    assert (once[0].warmup_calls, once[0].settled, once[0].kept) == (1, False, 2)
+    assert (once[0].warmup_calls, once[0].warmup_settled, once[0].kept) == (1, False, 2)
+    assert once[0].settled is False and once[0].time_spread is None      # 2 rounds: unknown
 
 
 def row(**fields) -> BenchRow:
@@ -382,14 +406,19 @@ def row(**fields) -> BenchRow:
 
 
 def test_table_shows_kept_and_warm_up_counts_and_marks_unsettled_times():
-    table = format_table([row(kept=5, warmup_calls=6, settled=True),
+    table = format_table([row(kept=5, warmup_calls=6, settled=True, clock="processor"),
                           row(backend="math", time_ms=3.25, kept=5, warmup_calls=30,
-                              settled=False)])
-    header, _, settled, unsettled, _, note = table.splitlines()
+                              settled=False, time_ratio=None, ratio_spread=0.4,
+                              withheld=f"{NOT_SETTLED} (spread 0.40)", clock="processor")])
+    header, _, settled, unsettled, _, clock, ratio, withheld, rough = table.splitlines()
     assert header.split()[-2:] == ["kept", "warm-up"]
     assert settled.split()[-2:] == ["5", "6"] and "*" not in settled
     assert "3.25*" in unsettled.split() and unsettled.split()[-2:] == ["5", "30"]
-    assert note == "* still changing when the warm-up stopped: a rough time"
+    assert "not settled" in unsettled and "0.40" in unsettled.split()
+    assert clock.startswith("time: processor time on one CPU thread")
+    assert ratio.startswith("x sdpa: the median of each round's ratio")
+    assert withheld.endswith(NOT_SETTLED)
+    assert rough.startswith("* the rounds' times spread above")
     assert "*" not in format_table([row(kept=5, warmup_calls=6, settled=True)])
 
 

@@ -17,6 +17,7 @@ from course_attn.decode_bench import (
     run_cache_update_bench, run_decode_bench,
 )
 from course_attn.model import GPT, GPTConfig, generate
+from course_attn.timing import NOT_SETTLED
 
 from helpers import one_line_error
 
@@ -51,7 +52,7 @@ def test_decode_rows_are_sane(device, options):
     for r in rows:
         assert isinstance(r, DecodeRow) and r.device.startswith(device.type)
         assert r.cached_ms > 0 and r.uncached_ms > 0 and r.speedup > 0
-        assert r.speedup == pytest.approx(r.uncached_ms / r.cached_ms)
+        assert r.speedup_spread is None and r.withheld.startswith(NOT_SETTLED)  # 2 rounds
         assert r.cached_tokens_per_s == pytest.approx(r.new_tokens * 2 / r.cached_ms * 1e3)
         assert r.uncached_tokens_per_s == pytest.approx(r.new_tokens * 2 / r.uncached_ms * 1e3)
         # The caches generate allocates: the prompt and every new token but the last.
@@ -59,6 +60,36 @@ def test_decode_rows_are_sane(device, options):
         assert r.cache_mib * MIB == expected
         for peak in (r.cached_peak_mib, r.uncached_peak_mib):
             assert peak is None or peak >= 0
+
+
+def fake_clock(monkeypatch, load):
+    """Each run's time is 1 ms with the cache and 8 ms without, times ``load(n)`` at the n-th
+    timed run; returns the list of which ran (True: with the cache)."""
+    ran = []
+
+    def time_call_ms(fn, device):
+        ran.append(fn.__defaults__[0])            # runs[cached]: cached is its default
+        return (1.0 if ran[-1] else 8.0) * load(len(ran) - 1)
+
+    monkeypatch.setattr(decode_bench, "time_call_ms", time_call_ms)
+    return ran
+
+
+def test_a_load_that_hits_whole_rounds_leaves_the_speed_up(monkeypatch):
+    ran = fake_clock(monkeypatch, lambda n: 10.0 if n // 2 in (1, 3) else 1.0)
+    (row,) = run_decode_bench((3,), prompt_len=2, model=tiny_model(), repeats=5, memory=False)
+    assert ran == [True, False, False, True] * 2 + [True, False]      # turns that alternate
+    assert row.speedup == 8.0 and row.speedup_spread == 0.0 and row.withheld is None
+    assert "8.0x" in format_decode_table([row]).splitlines()[2]
+
+
+def test_a_speed_up_whose_rounds_disagree_is_withheld(monkeypatch):
+    loads = [1.0, 3.0, 2.0, 1.0, 1.0, 5.0, 4.0, 1.0, 1.0, 1.0]
+    fake_clock(monkeypatch, lambda n: loads[n])
+    (row,) = run_decode_bench((3,), prompt_len=2, model=tiny_model(), repeats=5, memory=False)
+    assert row.withheld.startswith(NOT_SETTLED) and row.speedup_spread > 0.15
+    table = format_decode_table([row])
+    assert "not settled" in table.splitlines()[2] and NOT_SETTLED in table
 
 
 def test_cache_bytes_stop_growing_at_seq_len():
@@ -148,7 +179,8 @@ def test_tables_show_every_row():
               DecodeRow(256, 16, 40.0, 800.0, 20.0, 6400.0, 320.0, 0.5, 2.0, 3.0, 3, "cpu")]
     text = format_decode_table(decode)
     lines = text.splitlines()
-    assert len(lines) == 4 and "speed-up" in lines[0] and set(lines[1]) <= {"-", " "}
+    assert len(lines) == 6 and "speed-up" in lines[0] and set(lines[1]) <= {"-", " "}
+    assert lines[4].startswith("speed-up: the median over rounds")
     assert "8.0x" in lines[2] and "20.0x" in lines[3] and "0.125" in lines[2]
     assert lines[2].split()[-1] == "-"                        # a peak that was not measured
     updates = format_update_table([CacheUpdateRow(512, 3.3, 40.0, "cpu"),
@@ -175,7 +207,8 @@ def test_cli_decode_prints_both_tables_and_writes_json(tmp_path, capsys):
     assert set(report["decode"][0]) == {f.name for f in dataclasses.fields(DecodeRow)}
     config = GPTConfig(**report["config"])
     for r in report["decode"]:
-        assert r["speedup"] > 0 and r["repeats"] == 1
+        assert r["speedup"] is None and r["withheld"].startswith(NOT_SETTLED)   # 1 round
+        assert r["repeats"] == 1 and r["uncached_ms"] > 0
         assert r["cache_mib"] * MIB == cache_bytes(config, 2, 4 + r["new_tokens"] - 1)
     assert [r["cached_len"] for r in report["cache_update"]] == [8, 32]
     assert all(r["inplace_us"] > 0 and r["cat_us"] > 0 for r in report["cache_update"])
