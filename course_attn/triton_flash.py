@@ -28,6 +28,7 @@ import math
 import torch
 from torch import Tensor
 
+from . import published
 from .attention import check_attention_inputs
 
 try:
@@ -490,10 +491,19 @@ def triton_attention(
 
 # --- throughput on a GPU ---------------------------------------------------------------------
 
-# H100 SXM5, dense BF16 tensor-core peak: 989.4 TFLOP/s (NVIDIA's H100 datasheet lists 1,979
-# "with sparsity", half that dense; e.g. https://glennklockwood.com/garden/processors/h100).
-# An H100 PCIe is lower (756 dense), so name the card when quoting a fraction.
-H100_SXM_BF16_DENSE_TFLOPS = 989.4
+# The cards whose ``torch.cuda.get_device_name()`` is known to name one card, with their row in
+# ``course_attn.published``. "NVIDIA H100 80GB HBM3" is the SXM5 card; an H100 PCIe or NVL, with
+# lower peaks, reports a name of its own. The H200 SXM's row joins when the name it reports has
+# been checked on one (its NVL version has a lower peak).
+PUBLISHED_CARDS = {"NVIDIA H100 80GB HBM3": "H100 SXM"}
+
+
+def published_peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 tensor-core peak, TFLOP/s, that ``course_attn.published`` gives for the
+    CUDA device ``device_name`` (as ``torch.cuda.get_device_name()`` says it), or None for a
+    card that the table does not know."""
+    card = PUBLISHED_CARDS.get(device_name)
+    return None if card is None else published.value(card, "bf16_dense_tflops")
 
 
 def attention_flops(b: int, h: int, tq: int, tk: int, d: int, is_causal: bool,
@@ -504,21 +514,39 @@ def attention_flops(b: int, h: int, tq: int, tk: int, d: int, is_causal: bool,
     return flops * 2.5 if backward else flops
 
 
-def benchmark(b: int = 4, h: int = 32, t: int = 4096, head_dims=(64, 128),
-              peak_tflops: float = H100_SXM_BF16_DENSE_TFLOPS) -> list[dict]:
+def throughput_table(rows: list[dict], device_name: str, b: int, h: int, t: int) -> str:
+    """``benchmark``'s rows (d, is_causal, backward, triton, sdpa in TFLOP/s) as a table, with
+    each kernel's fraction of the card's published peak where ``published_peak_tflops`` knows
+    the card, and without those columns, saying so, where it does not."""
+    peak = published_peak_tflops(device_name)
+    title = f"{device_name}  bf16  B={b} H={h} T={t}  "
+    title += (f"published peak {peak} TFLOP/s (dense bf16, {PUBLISHED_CARDS[device_name]})" if peak is not None else
+              f"no published peak for {device_name}: fractions of peak withheld")
+    header = f"{'D':>4} {'causal':>6} {'pass':>4}  {'triton':>7} {'sdpa':>7}  {'ratio':>5}"
+    lines = [title, header + (f"  {'triton/peak':>11} {'sdpa/peak':>9}" if peak is not None
+                              else "")
+             + "   (TFLOP/s)"]
+    for row in rows:
+        line = (f"{row['d']:>4} {str(row['is_causal']):>6} "
+                f"{'bwd' if row['backward'] else 'fwd':>4}  {row['triton']:7.1f} "
+                f"{row['sdpa']:7.1f}  {row['triton'] / row['sdpa']:5.2f}")
+        if peak is not None:
+            line += f"  {row['triton'] / peak:11.2f} {row['sdpa'] / peak:9.2f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def benchmark(b: int = 4, h: int = 32, t: int = 4096, head_dims=(64, 128)) -> list[dict]:
     """TFLOP/s of the Triton kernels and of PyTorch's SDPA flash kernel, bf16, on this GPU.
 
-    Square causal and non-causal attention, forward and backward; prints a table and returns
-    its rows as dicts. ``peak_tflops`` is the card's dense bf16 peak (an H100 SXM's by default).
+    Square causal and non-causal attention, forward and backward; prints ``throughput_table``
+    (fractions of the card's published peak only for a card ``course_attn.published`` knows)
+    and returns its rows as dicts.
     """
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    print(f"{torch.cuda.get_device_name()}  bf16  B={b} H={h} T={t}  "
-          f"peak {peak_tflops} TFLOP/s (dense bf16)")
-    print(f"{'D':>4} {'causal':>6} {'pass':>4}  {'triton':>7} {'sdpa':>7}  {'ratio':>5}  "
-          f"{'triton/peak':>11} {'sdpa/peak':>9}   (TFLOP/s)")
     rows = []
     for d in head_dims:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -546,10 +574,7 @@ def benchmark(b: int = 4, h: int = 32, t: int = 4096, head_dims=(64, 128),
                     flops = attention_flops(b, h, t, t, d, is_causal, backward)
                     tflops[name] = flops / (ms * 1e-3) / 1e12
                 rows.append(dict(d=d, is_causal=is_causal, backward=backward, **tflops))
-                print(f"{d:>4} {str(is_causal):>6} {'bwd' if backward else 'fwd':>4}  "
-                      f"{tflops['triton']:7.1f} {tflops['sdpa']:7.1f}  "
-                      f"{tflops['triton'] / tflops['sdpa']:5.2f}  "
-                      f"{tflops['triton'] / peak_tflops:11.2f} {tflops['sdpa'] / peak_tflops:9.2f}")
+    print(throughput_table(rows, torch.cuda.get_device_name(), b, h, t))
     return rows
 
 

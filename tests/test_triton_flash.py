@@ -1,14 +1,14 @@
 """triton_flash.py: the Triton kernels equal the reference, forward and backward, and refuse
 what they do not support.
 
-Runs where CUDA is present, or on CPU tensors under Triton's interpreter
+The kernels' tests run where CUDA is present, or on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1 python -m pytest tests/test_triton_flash.py``), where the blocks are 16×16
-so that small shapes cross several blocks; skipped elsewhere. Half-precision errors are measured
+so that small shapes cross several blocks; they are skipped elsewhere. The throughput table's
+tests (which card's published peak it quotes) need no kernel and run wherever Triton imports. Half-precision errors are measured
 against float64 and compared with the error of ``"math"`` in the same dtype.
 """
 
 import importlib
-import os
 import sys
 
 import pytest
@@ -17,14 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
-if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-    pytest.skip("the Triton kernels need CUDA, or TRITON_INTERPRET=1 to run on the CPU",
-                allow_module_level=True)
 
+from course_attn import published  # noqa: E402
 from course_attn import scaled_dot_product_attention as reference  # noqa: E402
 from course_attn import triton_flash  # noqa: E402
 from course_attn.triton_flash import triton_attention  # noqa: E402
 
+kernels = pytest.mark.skipif(
+    not (torch.cuda.is_available() or triton_flash.interpreting()),
+    reason="the Triton kernels need CUDA, or TRITON_INTERPRET=1 to run on the CPU")
 DEVICE = torch.device("cpu" if triton_flash.interpreting() else "cuda")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -65,6 +66,7 @@ CASES = [
 ]
 
 
+@kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_output_and_gradients_are_as_accurate_as_math(case, dtype):
@@ -85,6 +87,7 @@ def test_output_and_gradients_are_as_accurate_as_math(case, dtype):
             f"{name}: error {max_error(o, e):.3g} vs math's {max_error(m, e):.3g} for {case}")
 
 
+@kernels
 @settings(max_examples=8)
 @given(tq=st.integers(1, 40), tk=st.integers(1, 40), group=st.sampled_from([1, 2, 3]),
        d=st.integers(1, 32), dv=st.integers(1, 32), causal=st.booleans(),
@@ -97,6 +100,7 @@ def test_float32_forward_matches_math_over_shapes(tq, tk, group, d, dv, causal, 
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 
 
+@kernels
 @pytest.mark.parametrize("tq, tk, d", [(70, 150, 64), (150, 70, 128)])
 def test_the_gpus_block_sizes(monkeypatch, tq, tk, d):
     """The GPU's blocks are not square (e.g. 128×64 forward, 32×128 for dK, dV): the causal
@@ -113,6 +117,7 @@ def test_the_gpus_block_sizes(monkeypatch, tq, tk, d):
         torch.testing.assert_close(a, m, atol=4e-3, rtol=4e-3)
 
 
+@kernels
 def test_log_sum_exp_and_queries_that_see_no_key():
     """lse is logsumexp of each row's scaled scores; a query before the first key (Tq > Tk,
     causal) gets out = 0, lse = -inf and zero gradients, never NaN."""
@@ -129,6 +134,7 @@ def test_log_sum_exp_and_queries_that_see_no_key():
     assert all(torch.isfinite(g).all() for g in (out, dq, dk, dv))
 
 
+@kernels
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning",
                             "ignore:invalid value encountered in matmul:RuntimeWarning")
 @pytest.mark.parametrize("sign", [1, -1])
@@ -148,6 +154,7 @@ def test_scores_far_from_zero_neither_overflow_nor_leak_into_padding(sign):
         torch.testing.assert_close(a, m, atol=1e-4, rtol=1e-4)
 
 
+@kernels
 @pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's max
 def test_causal_never_reads_keys_above_the_diagonal():
     """NaN in every key and value past the first query block's diagonal: that block's rows
@@ -170,6 +177,7 @@ def test_causal_never_reads_keys_above_the_diagonal():
     torch.testing.assert_close(dq[:, :, :block], dq_clean[:, :, :block])
 
 
+@kernels
 def test_accepts_strided_views_and_is_deterministic():
     """q, k, v as (B, T, H, D) memory seen as (B, H, T, D); two runs are bitwise equal."""
     q, k, v = (randn(2, 19, 2, 16, seed=s).transpose(1, 2).requires_grad_() for s in (0, 1, 2))
@@ -182,6 +190,7 @@ def test_accepts_strided_views_and_is_deterministic():
         torch.testing.assert_close(a, m, atol=1e-5, rtol=1e-5)
 
 
+@kernels
 @pytest.mark.parametrize("option, kwargs", [
     ("attn_mask", dict(attn_mask=torch.ones(4, 4, dtype=torch.bool))),
     ("window", dict(window=2)),
@@ -194,6 +203,7 @@ def test_unsupported_options_raise_value_error(option, kwargs):
         triton_attention(q, k, v, **kwargs)
 
 
+@kernels
 def test_unsupported_dtype_head_dim_and_device_raise_value_error():
     q, k, v = inputs(1, 1, 1, 4, 4, 16, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match="float64"):
@@ -215,3 +225,28 @@ def test_available_and_importing_without_triton(monkeypatch):
     monkeypatch.delitem(sys.modules, "course_attn.triton_flash")
     with pytest.raises(ImportError, match="needs Triton"):
         importlib.import_module("course_attn.triton_flash")
+
+
+ROWS = [dict(d=64, is_causal=False, backward=False, triton=400.0, sdpa=500.0),
+        dict(d=64, is_causal=True, backward=True, triton=247.0, sdpa=300.0)]
+
+
+def test_the_peak_is_published_for_an_h100_sxm_only():
+    """The name torch.cuda.get_device_name() gives an H100 SXM finds course_attn.published's
+    row; any other card finds none, its H100 siblings with lower peaks included."""
+    assert (triton_flash.published_peak_tflops("NVIDIA H100 80GB HBM3")
+            == published.value("H100 SXM", "bf16_dense_tflops"))
+    for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA A100-SXM4-80GB",
+                 "NVIDIA GeForce RTX 4090"):
+        assert triton_flash.published_peak_tflops(name) is None, name
+
+
+def test_throughput_table_quotes_the_peak_of_the_card_it_ran_on_or_none():
+    peak = published.value("H100 SXM", "bf16_dense_tflops")
+    known = triton_flash.throughput_table(ROWS, "NVIDIA H100 80GB HBM3", 4, 16, 4096)
+    assert "triton/peak" in known and f"published peak {peak}" in known
+    assert known.splitlines()[-1].split()[-2:] == ["0.25", "0.30"]      # of 989.4 TFLOP/s
+    unknown = triton_flash.throughput_table(ROWS, "NVIDIA L4", 4, 16, 4096)
+    assert "no published peak for NVIDIA L4" in unknown
+    assert "peak" not in "\n".join(unknown.splitlines()[1:])          # no fraction columns
+    assert unknown.splitlines()[-1].split()[-3:] == ["247.0", "300.0", "0.82"]
