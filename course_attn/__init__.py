@@ -2,12 +2,14 @@
 
 from .attention import attention_weights, repeat_kv, scaled_dot_product_attention, softmax
 from .backends import BACKENDS, get_backend, register
+from .checkpoints import load_pretrained
 from .device import available_devices, default_device, seed_everything
 from .flash import flash_attention, merge_attention_states, online_softmax
 from .kv_cache import KVCache, RollingKVCache
 from .linear import linear_attention
 from .local import local_attention
 from .mla import MultiHeadLatentAttention
+from .model import generate
 from .multihead import MultiHeadAttention
 from .norm import RMSNorm, rms_norm
 from .rope import RotaryEmbedding, apply_rotary_emb
@@ -21,7 +23,8 @@ __all__ = [
     "BACKENDS", "KVCache", "MultiHeadAttention", "MultiHeadLatentAttention", "RMSNorm",
     "RollingKVCache", "RotaryEmbedding", "apply_rotary_emb", "attention_mask", "attention_weights",
     "available_devices", "causal_mask", "combine_masks", "default_device", "flash_attention",
-    "get_backend", "linear_attention", "local_attention", "merge_attention_states",
+    "generate", "get_backend", "linear_attention", "load_pretrained", "local_attention",
+    "merge_attention_states",
     "online_softmax", "padding_mask", "register", "repeat_kv", "rms_norm",
     "scaled_dot_product_attention", "seed_everything", "sliding_window_mask", "softmax",
     "to_additive",

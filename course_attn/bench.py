@@ -253,6 +253,10 @@ def _check_args(args: argparse.Namespace, given: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line: print the table (and write the JSON); 2 and a one-line error if bad."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(arg == "--hf" or arg.startswith("--hf=") for arg in argv):   # a checkpoint's models
+        from .hf_bench import main as main_hf
+        return main_hf(argv)
     args, given = _parse(argv)
     try:
         mode = _check_args(args, given)

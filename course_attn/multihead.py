@@ -49,7 +49,8 @@ def merge_heads(x: Tensor) -> Tensor:
 class MultiHeadAttention(nn.Module):
     """Attention with ``n_heads`` query heads, and every modern variant as an option.
 
-    ``d_model`` = C, the width of the residual stream; each head has D = C / n_heads channels.
+    ``d_model`` = C, the width of the residual stream; each head has D = C / n_heads channels,
+    unless ``head_dim`` sets D itself (Qwen3: H·D need not equal C).
 
     Options (all keyword-only; the defaults give plain multi-head self-attention):
       ``n_kv_heads``  None means ``n_heads``; fewer gives grouped-query attention (GQA), 1 gives
@@ -68,6 +69,7 @@ class MultiHeadAttention(nn.Module):
                       backend with ``dropout > 0`` is refused (ValueError).
       ``scale``       the factor of the scores; None is 1/sqrt(D).
       ``context_dim`` the width of ``context`` for cross-attention (default ``d_model``).
+      ``head_dim``    D, when it is not d_model / n_heads (then d_model need not divide).
 
     The projections are ``q_proj`` (C -> H·D), ``k_proj`` and ``v_proj`` (context width ->
     Hkv·D) and ``out_proj`` (H·D -> C); with ``qk_norm``, ``q_norm`` and ``k_norm`` hold the
@@ -80,20 +82,25 @@ class MultiHeadAttention(nn.Module):
                  rope_interleaved: bool = False, qk_norm: bool = False,
                  qk_norm_order: str = "before_rope", window: int | None = None,
                  dropout: float = 0.0, scale: float | None = None,
-                 context_dim: int | None = None):
+                 context_dim: int | None = None, head_dim: int | None = None):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         context_dim = d_model if context_dim is None else context_dim
         check_positive_ints(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads,
                             context_dim=context_dim)
-        if d_model % n_heads:
+        if head_dim is None and d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
-        head_dim = d_model // n_heads
+        self.explicit_head_dim = head_dim is not None
+        if self.explicit_head_dim:
+            check_positive_ints(head_dim=head_dim)
+            odd = f"head_dim={head_dim} is odd"
+        else:
+            head_dim = d_model // n_heads
+            odd = f"head_dim = d_model / n_heads = {d_model} / {n_heads} = {head_dim} is odd"
         if rope and head_dim % 2:
-            raise ValueError(f"rope rotates pairs of channels, but head_dim = d_model / n_heads = "
-                             f"{d_model} / {n_heads} = {head_dim} is odd")
+            raise ValueError(f"rope rotates pairs of channels, but {odd}")
         if qk_norm_order not in ("before_rope", "after_rope"):
             raise ValueError(f"qk_norm_order must be 'before_rope' or 'after_rope', "
                              f"got {qk_norm_order!r}")
@@ -249,6 +256,8 @@ class MultiHeadAttention(nn.Module):
                    f"n_kv_heads={self.n_kv_heads}", f"backend={self.backend!r}"]
         if self.context_dim != self.d_model:
             options.append(f"context_dim={self.context_dim}")
+        if self.explicit_head_dim:
+            options.append(f"head_dim={self.head_dim}")
         if self.q_norm is not None:
             options.append(f"qk_norm={self.qk_norm_order!r}")
         if self.window is not None:

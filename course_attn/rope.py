@@ -98,14 +98,17 @@ class RotaryEmbedding(nn.Module):
     ``cos, sin = rope(positions)``: positions (T,) long -> cos, sin of shape (T, D/2), float32.
     Positions past the cache are computed on the fly (the cache only saves time), so a model may
     be run past the length it was trained on. A KV cache passes its offsets,
-    ``torch.arange(start, start + T)``.
+    ``torch.arange(start, start + T)``. ``scaling``: None for θᵢ, or the keyword arguments of
+    ``scaled_rope_frequencies`` (``kind``, ``factor``, ...) for its rescaled frequencies.
     """
 
-    def __init__(self, head_dim: int, max_seq_len: int = 4096, base: float = 10000.0):
+    def __init__(self, head_dim: int, max_seq_len: int = 4096, base: float = 10000.0, *,
+                 scaling: dict | None = None):
         super().__init__()
         check_positive_ints(max_seq_len=max_seq_len)
         self.head_dim, self.max_seq_len, self.base = head_dim, max_seq_len, float(base)
-        self.register_buffer("inv_freq", rope_frequencies(head_dim, base), persistent=False)
+        self.scaling = None if scaling is None else dict(scaling)
+        self.register_buffer("inv_freq", self._frequencies(base), persistent=False)
         cos, sin = self._angles(torch.arange(max_seq_len))
         self.register_buffer("cos_cached", cos, persistent=False)
         self.register_buffer("sin_cached", sin, persistent=False)
@@ -116,11 +119,17 @@ class RotaryEmbedding(nn.Module):
         super()._apply(fn, recurse)
         if self.inv_freq.dtype != torch.float32:
             device = self.inv_freq.device          # recomputed on the CPU (MPS has no float64)
-            self.inv_freq = rope_frequencies(self.head_dim, self.base)
+            self.inv_freq = self._frequencies(self.base)
             cos, sin = self._angles(torch.arange(self.max_seq_len))
             self.inv_freq, self.cos_cached, self.sin_cached = (
                 t.to(device) for t in (self.inv_freq, cos, sin))
         return self
+
+    def _frequencies(self, base) -> Tensor:
+        # ``base`` as given, so that rope_frequencies checks it (self.base is float(base))
+        if self.scaling is None:
+            return rope_frequencies(self.head_dim, base)
+        return scaled_rope_frequencies(self.head_dim, base, **self.scaling)
 
     def _angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         # float64 angles, on the CPU (MPS has no float64): m·θ for m in the thousands loses
@@ -145,7 +154,9 @@ class RotaryEmbedding(nn.Module):
         return self._angles(positions)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, base={self.base:g}"
+        scaling = "" if self.scaling is None else f", scaling={self.scaling}"
+        return (f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, base={self.base:g}"
+                f"{scaling}")
 
 
 def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:

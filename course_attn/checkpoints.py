@@ -1,0 +1,472 @@
+"""Real checkpoints in the course's own modules: ``load_pretrained(folder)``.
+
+A Hugging Face checkpoint folder holds ``config.json`` (the sizes and options) and the weights in
+``*.safetensors`` (one file, or shards listed by ``model.safetensors.index.json``). The loader reads
+both and builds the course's ``GPT`` (``model.py``) with its blocks made of the course's modules:
+
+    architecture   attention (MultiHeadAttention)              norm      MLP       positions
+    Llama          GQA, RoPE (half-split), Llama 3.1 scaling   RMSNorm   SwiGLU    rotary
+    Mistral        the same, plus a sliding ``window``         RMSNorm   SwiGLU    rotary
+    Qwen3          GQA, RoPE, per-head QK-norm, head_dim       RMSNorm   SwiGLU    rotary
+    GPT-2          biases, fused qkv in Conv1D layout          LayerNorm GELU-tanh learned
+
+so ``model(idx)``, its KV caches and ``generate`` are the ones the chapters built. Each tensor of
+the checkpoint is renamed (and, where the layouts differ, cut or transposed) into the course's
+names; a missing tensor, an unexpected one, a wrong shape, an unknown architecture or a config
+option the course does not implement is a ``CheckpointError`` (a ``ValueError``) of one line that
+names it, never a silently different model.
+
+RoPE's layout: Hugging Face's Llama pairs channel i with i + D/2 of each head (half-split, the
+course's default); Meta's original weights pair 2i with 2i + 1 (interleaved), and Hugging Face's
+conversion script permuted the rows of Wq and Wk to move from one to the other.
+``rope_layout="interleaved"`` undoes that permutation (``interleave_rows``) and rotates
+interleaved pairs: the same model, the same logits.
+
+transformers is not imported here: safetensors reads the tensors, ``json`` the config.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .model import GPT, Block
+from .multihead import MultiHeadAttention
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+__all__ = ["ARCHITECTURES", "CheckpointConfig", "CheckpointError", "PretrainedGPT",
+           "interleave_rows", "load_pretrained", "read_config", "read_tensors",
+           "save_random_checkpoint"]
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen3ForCausalLM": "qwen3", "GPT2LMHeadModel": "gpt2"}
+ROPE_SCALINGS = {"default": None, "linear": "linear", "llama3": "llama3"}   # HF name -> course's
+GATED_ACTIVATIONS = ("silu",)
+GPT2_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint the course cannot load as it is: the message says what and where."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """What ``config.json`` says, in the course's words. C = d_model, H = n_heads, D = head_dim.
+
+    ``seq_len`` (max_position_embeddings) and ``position`` ("rope" or "learned") and ``window``
+    are the fields ``GPT.forward`` and ``generate`` read, as in ``GPTConfig``."""
+
+    architecture: str               # "llama", "mistral", "qwen3" or "gpt2"
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    mlp_hidden: int
+    position: str                   # "rope" or "learned"
+    norm: str                       # "rms" or "layer"
+    norm_eps: float
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    gelu_approximate: str | None = None   # GPT-2's MLP; None: SwiGLU
+    rope_base: float = 10000.0
+    rope_scaling: tuple = ()        # scaled_rope_frequencies' keyword arguments, as pairs
+    qk_norm: bool = False
+    window: int | None = None
+    scale_by_layer: bool = False    # GPT-2's scale_attn_by_inverse_layer_idx
+    tie_embeddings: bool = False
+
+
+def _unsupported(option: str, value, architecture: str) -> CheckpointError:
+    return CheckpointError(f"config.json sets {option}={value!r}, which the course's "
+                           f"{architecture} does not implement")
+
+
+def _rope_options(raw: dict, architecture: str) -> tuple[float, tuple]:
+    """(base, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta`` and
+    ``rope_scaling`` (older config files, as most checkpoints on the hub have them)."""
+    params = raw.get("rope_parameters") or {**(raw.get("rope_scaling") or {}),
+                                              "rope_theta": raw.get("rope_theta", 10000.0)}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_SCALINGS:
+        raise CheckpointError(f"config.json asks for rope_scaling type {kind!r}; the course "
+                              f"implements {sorted(ROPE_SCALINGS)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _unsupported("partial_rotary_factor", params["partial_rotary_factor"], architecture)
+    scaling = ()
+    if kind == "linear":
+        scaling = (("kind", "linear"), ("factor", float(params["factor"])))
+    elif kind == "llama3":
+        scaling = (("kind", "llama3"), ("factor", float(params["factor"])),
+                   ("original_max_len", int(params["original_max_position_embeddings"])),
+                   ("low_freq_factor", float(params["low_freq_factor"])),
+                   ("high_freq_factor", float(params["high_freq_factor"])))
+    return float(params["rope_theta"]), scaling
+
+
+def _architecture(raw: dict) -> str:
+    names = raw.get("architectures") or [raw.get("model_type")]
+    if len(names) != 1 or names[0] not in ARCHITECTURES:
+        raise CheckpointError(f"config.json names architecture {', '.join(map(str, names))}; "
+                              f"the course loads {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[names[0]]
+
+
+def _gpt2_config(raw: dict) -> CheckpointConfig:
+    for option in ("add_cross_attention", "reorder_and_upcast_attn"):
+        if raw.get(option):
+            raise _unsupported(option, raw[option], "GPT-2")
+    activation = raw.get("activation_function", "gelu_new")
+    if activation not in GPT2_ACTIVATIONS:
+        raise _unsupported("activation_function", activation, "GPT-2")
+    c, h = raw["n_embd"], raw["n_head"]
+    if not raw.get("scale_attn_weights", True):
+        raise _unsupported("scale_attn_weights", False, "GPT-2")
+    return CheckpointConfig(
+        "gpt2", vocab_size=raw["vocab_size"], seq_len=raw["n_positions"], d_model=c,
+        n_layers=raw["n_layer"], n_heads=h, n_kv_heads=h, head_dim=c // h,
+        mlp_hidden=raw.get("n_inner") or 4 * c, position="learned", norm="layer",
+        norm_eps=raw.get("layer_norm_epsilon", 1e-5), attention_bias=True, mlp_bias=True,
+        gelu_approximate=GPT2_ACTIVATIONS[activation],
+        scale_by_layer=bool(raw.get("scale_attn_by_inverse_layer_idx", False)),
+        tie_embeddings=raw.get("tie_word_embeddings", True))
+
+
+def _rotary_config(raw: dict, architecture: str) -> CheckpointConfig:
+    activation = raw.get("hidden_act", "silu")
+    if activation not in GATED_ACTIVATIONS:
+        raise _unsupported("hidden_act", activation, architecture)
+    window = None
+    if architecture == "mistral":
+        window = raw.get("sliding_window")
+    elif architecture == "qwen3" and (raw.get("use_sliding_window") or any(
+            kind != "full_attention" for kind in raw.get("layer_types") or [])):
+        raise _unsupported("use_sliding_window", True, "Qwen3")
+    c, h = raw["hidden_size"], raw["num_attention_heads"]
+    base, scaling = _rope_options(raw, architecture)
+    return CheckpointConfig(
+        architecture, vocab_size=raw["vocab_size"], seq_len=raw["max_position_embeddings"],
+        d_model=c, n_layers=raw["num_hidden_layers"], n_heads=h,
+        n_kv_heads=raw.get("num_key_value_heads") or h, head_dim=raw.get("head_dim") or c // h,
+        mlp_hidden=raw["intermediate_size"], position="rope", norm="rms",
+        norm_eps=raw.get("rms_norm_eps", 1e-6), attention_bias=raw.get("attention_bias", False),
+        mlp_bias=raw.get("mlp_bias", False), rope_base=base, rope_scaling=scaling,
+        qk_norm=architecture == "qwen3", window=window,
+        tie_embeddings=raw.get("tie_word_embeddings", False))
+
+
+def read_config(folder) -> CheckpointConfig:
+    """The ``CheckpointConfig`` of the checkpoint in ``folder`` (its ``config.json``)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
+    raw = json.loads(path.read_text())
+    architecture = _architecture(raw)
+    try:
+        return _gpt2_config(raw) if architecture == "gpt2" else _rotary_config(raw, architecture)
+    except KeyError as missing:
+        raise CheckpointError(f"config.json lacks {missing.args[0]!r}, which a {architecture} "
+                              "needs") from None
+
+
+# ----------------------------------------------------------------- the model, course modules
+
+class SwiGLU(nn.Module):
+    """Llama's MLP: (B, T, C) -> (B, T, C), down(silu(gate(x)) · up(x)) through ``hidden``."""
+
+    def __init__(self, d_model: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=bias)
+        self.up = nn.Linear(d_model, hidden, bias=bias)
+        self.down = nn.Linear(hidden, d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class GeluMLP(nn.Module):
+    """GPT-2's MLP: (B, T, C) -> (B, T, C), down(gelu(up(x))), GELU's tanh approximation."""
+
+    def __init__(self, d_model: int, hidden: int, approximate: str = "tanh"):
+        super().__init__()
+        self.approximate = approximate
+        self.up = nn.Linear(d_model, hidden)
+        self.down = nn.Linear(hidden, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.gelu(self.up(x), approximate=self.approximate))
+
+
+def _norm(config: CheckpointConfig) -> nn.Module:
+    if config.norm == "rms":
+        return RMSNorm(config.d_model, eps=config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+
+
+class PretrainedBlock(Block):
+    """``model.Block`` (pre-norm attention, then pre-norm MLP, each added to x) with the norms,
+    attention options and MLP of a checkpoint's architecture; ``layer`` counts from 0."""
+
+    def __init__(self, config: CheckpointConfig, layer: int, *, backend: str,
+                 rope_layout: str):
+        nn.Module.__init__(self)          # Block.__init__ builds from a GPTConfig
+        rope = config.position == "rope"
+        scale = None
+        if config.scale_by_layer:
+            scale = config.head_dim ** -0.5 / (layer + 1)
+        self.attn_norm = _norm(config)
+        self.attn = MultiHeadAttention(
+            config.d_model, config.n_heads, n_kv_heads=config.n_kv_heads,
+            head_dim=config.head_dim, bias=config.attention_bias, backend=backend, rope=rope,
+            rope_base=config.rope_base, max_seq_len=config.seq_len,
+            rope_interleaved=rope_layout == "interleaved", qk_norm=config.qk_norm,
+            window=config.window, scale=scale)
+        if config.qk_norm:
+            self.attn.q_norm.eps = self.attn.k_norm.eps = config.norm_eps
+        if config.rope_scaling:
+            self.attn.rotary = RotaryEmbedding(config.head_dim, config.seq_len, config.rope_base,
+                                               scaling=dict(config.rope_scaling))
+        self.mlp_norm = _norm(config)
+        if config.gelu_approximate is None:
+            self.mlp = SwiGLU(config.d_model, config.mlp_hidden, bias=config.mlp_bias)
+        else:
+            self.mlp = GeluMLP(config.d_model, config.mlp_hidden, config.gelu_approximate)
+
+
+class PretrainedGPT(GPT):
+    """The course's ``GPT`` with a checkpoint's blocks: token ids (B, T) -> logits (B, T, V).
+
+    ``forward``, ``new_caches``, ``new_rolling_caches`` and ``generate`` are ``GPT``'s."""
+
+    def __init__(self, config: CheckpointConfig, *, backend: str = "sdpa",
+                 rope_layout: str = "half"):
+        nn.Module.__init__(self)          # GPT.__init__ builds from a GPTConfig, randomly
+        if rope_layout not in ("half", "interleaved"):
+            raise ValueError(f"rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
+        self.config, self.rope_layout = config, rope_layout
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.position_embedding = (nn.Embedding(config.seq_len, config.d_model)
+                                   if config.position == "learned" else None)
+        self.blocks = nn.ModuleList(
+            PretrainedBlock(config, i, backend=backend, rope_layout=rope_layout)
+            for i in range(config.n_layers))
+        self.final_norm = _norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.token_embedding.weight
+
+
+# ----------------------------------------------------------------- names and layouts
+
+def interleave_rows(w: Tensor, n_heads: int) -> Tensor:
+    """Rows of Wq or Wk (H·D, ...) from the half-split layout to the interleaved one.
+
+    Within each head, half-split row i + s·D/2 (s = 0, 1: pair i's two channels) becomes row
+    2i + s; Hugging Face's Llama conversion made the opposite move. Works on biases (H·D,) and
+    QK-norm gains (D,) too (``n_heads=1``)."""
+    d = w.shape[0] // n_heads
+    perm = torch.arange(d).view(2, d // 2).t().reshape(d)          # [0, D/2, 1, D/2 + 1, ...]
+    return w.view(n_heads, d, *w.shape[1:])[:, perm].reshape(w.shape)
+
+
+def _rotary_names(config: CheckpointConfig) -> dict[str, str]:
+    """course name -> checkpoint name, for Llama, Mistral and Qwen3."""
+    names = {"token_embedding.weight": "model.embed_tokens.weight",
+             "final_norm.weight": "model.norm.weight"}
+    if not config.tie_embeddings:
+        names["lm_head.weight"] = "lm_head.weight"
+    parts = {"attn_norm.weight": "input_layernorm.weight",
+             "mlp_norm.weight": "post_attention_layernorm.weight",
+             "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.up.weight": "mlp.up_proj.weight",
+             "mlp.down.weight": "mlp.down_proj.weight"}
+    projections = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
+                   "out_proj": "o_proj"}
+    for ours, theirs in projections.items():
+        parts[f"attn.{ours}.weight"] = f"self_attn.{theirs}.weight"
+        if config.attention_bias:
+            parts[f"attn.{ours}.bias"] = f"self_attn.{theirs}.bias"
+    if config.mlp_bias:
+        for ours in ("gate", "up", "down"):
+            parts[f"mlp.{ours}.bias"] = f"mlp.{ours}_proj.bias"
+    if config.qk_norm:
+        parts["attn.q_norm.weight"] = "self_attn.q_norm.weight"
+        parts["attn.k_norm.weight"] = "self_attn.k_norm.weight"
+    for i in range(config.n_layers):
+        names.update({f"blocks.{i}.{ours}": f"model.layers.{i}.{theirs}"
+                      for ours, theirs in parts.items()})
+    return names
+
+
+def _gpt2_tensors(config: CheckpointConfig, get) -> dict[str, Tensor]:
+    """The course's tensors from GPT-2's: Conv1D stores W as (in, out), the transpose of a
+    Linear's, and c_attn holds Wq, Wk and Wv side by side, (C, 3C)."""
+    c = config.d_model
+    out = {"token_embedding.weight": get("wte.weight"),
+           "position_embedding.weight": get("wpe.weight"),
+           "final_norm.weight": get("ln_f.weight"), "final_norm.bias": get("ln_f.bias")}
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}.", f"h.{i}."
+        qkv_w = get(theirs + "attn.c_attn.weight", (c, 3 * c)).t()                  # (3C, C)
+        qkv_b = get(theirs + "attn.c_attn.bias", (3 * c,))
+        for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            out[f"{ours}attn.{name}.weight"] = qkv_w[j * c:(j + 1) * c]
+            out[f"{ours}attn.{name}.bias"] = qkv_b[j * c:(j + 1) * c]
+        for conv, linear in (("attn.c_proj", "attn.out_proj"), ("mlp.c_fc", "mlp.up"),
+                             ("mlp.c_proj", "mlp.down")):
+            out[f"{ours}{linear}.weight"] = get(f"{theirs}{conv}.weight", transpose=True)
+            out[f"{ours}{linear}.bias"] = get(f"{theirs}{conv}.bias")
+        for ln, norm in (("ln_1", "attn_norm"), ("ln_2", "mlp_norm")):
+            out[f"{ours}{norm}.weight"] = get(f"{theirs}{ln}.weight")
+            out[f"{ours}{norm}.bias"] = get(f"{theirs}{ln}.bias")
+    return out
+
+
+# buffers that some checkpoints carry and that the course computes instead: GPT-2's causal mask
+# (attn.bias, attn.masked_bias) and RoPE's inverse frequencies
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{folder} lacks shard {missing[0]}, listed in {index.name}")
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} has no *.safetensors file (the course reads only "
+                              "safetensors, not pytorch_model.bin)")
+    return files
+
+
+def read_tensors(folder) -> dict[str, Tensor]:
+    """Every tensor of the checkpoint's safetensors files (sharded or not), by name."""
+    from safetensors.torch import load_file
+    tensors: dict[str, Tensor] = {}
+    for path in _safetensors_files(Path(folder)):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def _course_state(config: CheckpointConfig, model: PretrainedGPT,
+                  tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The checkpoint's tensors under the course's names and in its layouts, every one checked:
+    none missing, none left over, each of the shape the course's module has."""
+    prefix = "transformer." if config.architecture == "gpt2" else ""
+    if prefix and not any(k.startswith(prefix) for k in tensors):
+        prefix = ""                      # the hub's GPT-2 names its tensors without the prefix
+    used: set[str] = set()
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+
+    def get(name: str, shape: tuple | None = None, transpose: bool = False) -> Tensor:
+        full = prefix + name
+        if full not in tensors:
+            raise CheckpointError(f"the checkpoint lacks tensor {full!r}, which a "
+                                  f"{config.architecture} of this config.json needs")
+        used.add(full)
+        t = tensors[full]
+        if shape is not None and tuple(t.shape) != shape:
+            raise CheckpointError(f"tensor {full!r} has shape {tuple(t.shape)}, but config.json "
+                                  f"implies {shape}")
+        return t.t() if transpose else t
+
+    if config.architecture == "gpt2":
+        state = _gpt2_tensors(config, get)
+    else:
+        state = {ours: get(theirs, expected[ours])
+                 for ours, theirs in _rotary_names(config).items()}
+    if config.tie_embeddings:             # one parameter: the embedding is the LM head
+        state["lm_head.weight"] = state["token_embedding.weight"]
+        if "lm_head.weight" in tensors:
+            used.add("lm_head.weight")        # saved anyway by some exporters: the same tensor
+    left = sorted(k for k in tensors if k not in used and not k.endswith(IGNORED_SUFFIXES))
+    if left:
+        raise CheckpointError(f"the checkpoint has tensor {left[0]!r} (and {len(left) - 1} more "
+                              f"unused), which the course's {config.architecture} does not use")
+    for name, t in state.items():
+        want = expected.get(name)
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"tensor for {name} has shape {tuple(t.shape)}, but config.json "
+                                  f"implies {want}")
+    if model.rope_layout == "interleaved":
+        for name in list(state):
+            if name.endswith(("attn.q_proj.weight", "attn.q_proj.bias")):
+                state[name] = interleave_rows(state[name], config.n_heads)
+            elif name.endswith(("attn.k_proj.weight", "attn.k_proj.bias")):
+                state[name] = interleave_rows(state[name], config.n_kv_heads)
+            elif name.endswith(("attn.q_norm.weight", "attn.k_norm.weight")):
+                state[name] = interleave_rows(state[name], 1)
+    return state
+
+
+def load_pretrained(folder, *, dtype: torch.dtype | None = None, device=None,
+                    backend: str = "sdpa", rope_layout: str = "half") -> PretrainedGPT:
+    """The model in a Hugging Face checkpoint ``folder``, built from the course's modules.
+
+    ``dtype``: None keeps the checkpoint's (as stored); ``device``: default the CPU;
+    ``backend``: the attention function of every layer (all give the same numbers);
+    ``rope_layout``: "half" (as stored by Hugging Face) or "interleaved" (Meta's layout, the
+    rows of Wq and Wk permuted back; the same logits). Returned in eval mode.
+    ``CheckpointError`` (one line) for anything the course cannot load as it is.
+    """
+    folder = Path(folder)
+    config = read_config(folder)
+    tensors = read_tensors(folder)
+    if dtype is None:
+        dtype = next(t.dtype for t in tensors.values() if t.dtype.is_floating_point)
+    model = PretrainedGPT(config, backend=backend, rope_layout=rope_layout)
+    state = _course_state(config, model, tensors)
+    model.load_state_dict(state)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+# ----------------------------------------------------------------- random checkpoints, for tests
+
+TINY_SIZES = {
+    "llama": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
+}
+TINY_SIZES["mistral"] = TINY_SIZES["qwen3"] = TINY_SIZES["llama"]
+MODEL_TYPES = {name: name for name in TINY_SIZES}
+
+
+def save_random_checkpoint(folder, architecture: str = "llama", *, seed: int = 0,
+                           init_std: float = 0.2, max_shard_size: str | None = None,
+                           **options):
+    """A randomly initialised transformers model saved to ``folder`` by ``save_pretrained``;
+    returns that model (eval mode, float32), the reference to compare the course's with.
+
+    Tiny by default (hidden 64, 2 layers, 4 heads, 2 key/value heads, vocab 128, 128 positions);
+    ``options`` are config.json's fields (``hidden_size=``, ``rope_parameters=``,
+    ``sliding_window=``, ...). Weights are drawn with std ``init_std`` (transformers'
+    ``initializer_range``), large enough that attention is far from uniform. No token ends a
+    generation (no eos), so both generate the length asked. ``max_shard_size`` (e.g. "40KB")
+    splits the weights into shards with an index, as large checkpoints are saved.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM   # slow to import: only here
+
+    if architecture not in MODEL_TYPES:
+        raise ValueError(f"architecture must be one of {sorted(MODEL_TYPES)}, got "
+                         f"{architecture!r}")
+    fields = dict(vocab_size=128, max_position_embeddings=128, initializer_range=init_std,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if architecture == "gpt2":
+        fields.pop("max_position_embeddings")
+    fields.update(TINY_SIZES[architecture])
+    fields.update(options)
+    config = AutoConfig.for_model(MODEL_TYPES[architecture], **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
+    kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
+    model.save_pretrained(folder, **kwargs)
+    return model

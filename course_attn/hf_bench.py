@@ -1,0 +1,165 @@
+"""The course's generation against transformers' on one checkpoint:
+``python -m course_attn.bench --hf FOLDER``.
+
+Both models are the checkpoint in FOLDER, in the same dtype, on the same CPU threads, in one
+process: the course's is ``load_pretrained``'s (its attention, RoPE, norms and KV cache), driven by
+``model.generate`` (greedy, the prompt prefilled once, then one token per step with the cache);
+transformers' is ``AutoModelForCausalLM``'s, driven by its ``generate(do_sample=False)`` (eager
+PyTorch, its dynamic cache). Each generates ``new_tokens`` tokens after the same random prompt.
+They are timed with ``timing.measure``: warmed up, then once per round in turns, the order
+rotating; the ratio is taken in each round (transformers' time over the course's: above 1, the
+course is faster) and reported as the median over rounds, or withheld when the rounds do not
+agree (``timing.rounds_agree``). With one thread (the default) the clock is the process's
+processor time, which a busy machine inflates far less than the wall clock.
+
+``--make-llama`` first writes a random Llama of about 21M parameters to FOLDER (hidden 384,
+6 layers, 6 heads of 64, 2 key/value heads, SwiGLU 1024, vocabulary 32000, tied embeddings),
+the size the issue asks the ratio for.
+"""
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .arguments import check_positive_ints
+from .timing import DTYPES, MAX_WARMUP, hardware, measure, rounds_agree, spread
+
+PROG = "python -m course_attn.bench --hf"
+COURSE, TRANSFORMERS = "course", "transformers"
+LLAMA_20M = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                 num_attention_heads=6, num_key_value_heads=2, vocab_size=32000,
+                 max_position_embeddings=2048, tie_word_embeddings=True,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def make_llama(folder) -> int:
+    """Write the random ~21M-parameter Llama of ``LLAMA_20M`` to ``folder``; its parameter
+    count."""
+    from .checkpoints import save_random_checkpoint
+    model = save_random_checkpoint(folder, "llama", seed=0, init_std=0.02, **LLAMA_20M)
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_hf_bench(folder, *, new_tokens: int = 256, prompt_len: int = 16, batch: int = 1,
+                 dtype: str = "float32", threads: int | None = 1, repeats: int = 5,
+                 max_warmup: int = 2) -> dict:
+    """Tokens per second of the course's cached generation and of transformers' ``generate``
+    on the checkpoint in ``folder``; returns a dict (see ``format_report``)."""
+    check_positive_ints(new_tokens=new_tokens, prompt_len=prompt_len, batch=batch,
+                        repeats=repeats, max_warmup=max_warmup)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    from transformers import AutoModelForCausalLM, GenerationConfig   # slow: only here
+
+    from .checkpoints import load_pretrained
+    from .model import generate
+
+    torch_dtype = DTYPES[dtype]
+    ours = load_pretrained(folder, dtype=torch_dtype)
+    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).eval()
+    # every token counts: no end-of-sequence token stops transformers early
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+    prompt = torch.randint(0, ours.config.vocab_size, (batch, prompt_len),
+                           generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(prompt)
+    outputs = {}
+
+    def course():
+        outputs[COURSE] = generate(ours, prompt, new_tokens, temperature=0)
+
+    def hf():
+        with torch.inference_mode():
+            outputs[TRANSFORMERS] = theirs.generate(prompt, attention_mask=mask,
+                                                     generation_config=greedy)
+
+    results = measure({COURSE: course, TRANSFORMERS: hf}, torch.device("cpu"), repeats,
+                      max_warmup, baseline=TRANSFORMERS, threads=threads)
+    failed = {name: r for name, r in results.items() if isinstance(r, str)}
+    if failed:
+        raise RuntimeError("; ".join(f"{name}: {why}" for name, why in failed.items()))
+    tokens = batch * new_tokens
+    # round_ratios: the course's time over transformers' in each round; speed is the inverse
+    speedups = [1 / r for r in results[COURSE].round_ratios]
+    with torch.inference_mode():
+        same = torch.equal(outputs[COURSE], outputs[TRANSFORMERS])
+    return {
+        "folder": str(folder), "parameters": sum(p.numel() for p in ours.parameters()),
+        "architecture": ours.config.architecture, "dtype": dtype, "batch": batch,
+        "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+        "threads": threads if threads is not None else torch.get_num_threads(),
+        "clock": results[COURSE].clock,
+        "tokens_per_s": {name: tokens / (results[name].time_ms / 1000) for name in results},
+        "round_speedups": speedups,
+        "speedup": statistics.median(speedups) if rounds_agree(speedups) else None,
+        "speedup_spread": spread(speedups), "same_tokens": same,
+        "hardware": hardware("cpu"),
+    }
+
+
+def format_report(report: dict) -> str:
+    """The report as a few lines of text."""
+    tps = report["tokens_per_s"]
+    lines = [
+        f"{report['architecture']} checkpoint {report['folder']}: "
+        f"{report['parameters'] / 1e6:.1f}M parameters, {report['dtype']}, batch "
+        f"{report['batch']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
+        f"{report['threads']} thread(s), {report['repeats']} rounds ({report['clock']} time)",
+        f"  course (load_pretrained + generate, KV cache)  {tps[COURSE]:8.1f} tokens/s",
+        f"  transformers generate (eager, dynamic cache)    {tps[TRANSFORMERS]:8.1f} tokens/s",
+    ]
+    rounds = ", ".join(f"{s:.2f}" for s in report["round_speedups"])
+    if report["speedup"] is None:
+        lines.append(f"  ratio course / transformers: withheld, the rounds did not agree "
+                     f"({rounds})")
+    else:
+        lines.append(f"  ratio course / transformers: {report['speedup']:.2f}x tokens/s "
+                     f"(per round: {rounds})")
+    lines.append(f"  same greedy tokens: {'yes' if report['same_tokens'] else 'NO'}")
+    hw = report["hardware"]
+    lines.append(f"  on {hw['cpu']}, {hw['cpu_count']} cores, torch {hw['torch']}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m course_attn.bench", description=__doc__.split(
+        "\n\n")[0].replace("\n", " "))
+    p.add_argument("--hf", required=True, metavar="FOLDER",
+                   help="a Hugging Face checkpoint folder (config.json + *.safetensors)")
+    p.add_argument("--make-llama", action="store_true",
+                   help="first write a random ~21M-parameter Llama to FOLDER")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for both (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5, metavar="N", help="timed rounds")
+    p.add_argument("--max-warmup", type=int, default=2, metavar="N",
+                   help=f"warm-up generations at most, each (at most {MAX_WARMUP})")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    folder = Path(args.hf)
+    try:
+        if args.make_llama and not (folder / "config.json").is_file():
+            print(f"writing a random Llama of {make_llama(folder) / 1e6:.1f}M parameters to "
+                  f"{folder}", file=sys.stderr)
+        report = run_hf_bench(folder, new_tokens=args.new_tokens, prompt_len=args.prompt_len,
+                              batch=args.batch, dtype=args.dtype, threads=args.threads,
+                              repeats=args.repeats, max_warmup=min(args.max_warmup, MAX_WARMUP))
+    except (ValueError, RuntimeError) as error:
+        print(f"{PROG}: error: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""load_pretrained: Hugging Face checkpoints in the course's modules, equal to transformers.
+
+Every checkpoint is a tiny random one, written here by transformers' ``save_pretrained`` (no
+hub): the course's model must give transformers' logits (float32, max abs <= 1e-4), its greedy
+tokens with the course's KV cache, and stay within bfloat16's rounding. Each mistake a reader
+could meet with a checkpoint is a one-line error that names it.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import course_attn
+from course_attn.checkpoints import (
+    CheckpointError, interleave_rows, load_pretrained, read_tensors, save_random_checkpoint,
+)
+from course_attn.model import generate
+from course_attn.rope import RotaryEmbedding
+
+pytest.importorskip("transformers")
+from safetensors.torch import save_file  # noqa: E402  (after the skip)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+               "rope_theta": 500000.0}
+WINDOW = 8
+CHECKPOINTS = {                 # name -> (architecture, config.json options)
+    "llama": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
+    "llama-tied-bias": ("llama", dict(tie_word_embeddings=True, attention_bias=True,
+                                      mlp_bias=True, rope_parameters={
+                                          "rope_type": "linear", "factor": 2.0,
+                                          "rope_theta": 10000.0})),
+    "gpt2": ("gpt2", {}),
+    "qwen3": ("qwen3", dict(head_dim=32)),          # H·D = 128, not hidden_size = 64
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+}
+PROMPT_LEN = 20                 # > WINDOW: Mistral's window cuts into every prompt
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (folder, the transformers model saved there), made once for the module."""
+    made = {}
+    for seed, (name, (architecture, options)) in enumerate(CHECKPOINTS.items()):
+        folder = tmp_path_factory.mktemp(name)
+        made[name] = folder, save_random_checkpoint(folder, architecture, seed=seed, **options)
+    return made
+
+
+def prompts(batch=3, length=PROMPT_LEN, seed=0):
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_logits(hf_model, idx):
+    with torch.no_grad():
+        return hf_model(idx).logits
+
+
+def course_logits(model, idx):
+    with torch.no_grad():
+        return model(idx)
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_logits_equal_transformers(checkpoints, name):
+    folder, hf_model = checkpoints[name]
+    idx = prompts()
+    reference = reference_logits(hf_model, idx)
+    ours = course_logits(load_pretrained(folder), idx)
+    assert ours.shape == reference.shape == (3, PROMPT_LEN, 128)
+    assert (ours - reference).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+def test_interleaved_layout_gives_the_same_logits(checkpoints, name):
+    """Meta's layout: Wq and Wk rows permuted back, pairs (2i, 2i+1) rotated; the same model."""
+    folder, hf_model = checkpoints[name]
+    idx = prompts()
+    model = load_pretrained(folder, rope_layout="interleaved")
+    assert model.blocks[0].attn.rope_interleaved
+    half = load_pretrained(folder)
+    assert not torch.equal(model.blocks[0].attn.q_proj.weight, half.blocks[0].attn.q_proj.weight)
+    assert (course_logits(model, idx) - reference_logits(hf_model, idx)).abs().max() <= ATOL
+
+
+def test_interleave_rows_is_the_inverse_of_the_hf_conversion():
+    """transformers' convert_llama_weights_to_hf permutes Meta's rows with
+    view(H, D/2, 2, C).transpose(1, 2); interleave_rows undoes it."""
+    h, d, c = 3, 8, 5
+    meta = torch.randn(h * d, c, generator=torch.Generator().manual_seed(0))
+    hf = meta.view(h, d // 2, 2, c).transpose(1, 2).reshape(h * d, c)
+    assert torch.equal(interleave_rows(hf, h), meta)
+
+
+def _wrong_rope_layout(model):
+    for block in model.blocks:
+        block.attn.rope_interleaved = True          # the rows were not permuted
+
+
+def _no_rope_scaling(model):
+    for block in model.blocks:
+        attn = block.attn
+        attn.rotary = RotaryEmbedding(attn.head_dim, attn.rotary.max_seq_len, attn.rotary.base)
+
+
+def _no_window(model):
+    for block in model.blocks:
+        block.attn.window = None
+
+
+def _exact_gelu(model):
+    for block in model.blocks:
+        block.mlp.approximate = "none"
+
+
+def _no_qk_norm_eps(model):
+    for block in model.blocks:
+        block.attn.q_norm.eps = block.attn.k_norm.eps = 0.5
+
+
+@pytest.mark.parametrize("name, bug", [
+    ("llama", _wrong_rope_layout), ("llama", _no_rope_scaling),
+    ("llama-tied-bias", _no_rope_scaling), ("mistral", _no_window), ("gpt2", _exact_gelu),
+    ("qwen3", _no_qk_norm_eps),
+])
+def test_the_tolerance_catches_a_plausible_bug(checkpoints, name, bug):
+    """Each option the loader reads matters on these checkpoints: getting it wrong moves the
+    logits past ten times the tolerance."""
+    folder, hf_model = checkpoints[name]
+    model = load_pretrained(folder)
+    bug(model)
+    idx = prompts()
+    error = float((course_logits(model, idx) - reference_logits(hf_model, idx)).abs().max())
+    assert error > 10 * ATOL
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_greedy_tokens_equal_transformers_generate(checkpoints, name):
+    folder, hf_model = checkpoints[name]
+    idx = prompts(batch=2)
+    theirs = hf_model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=32,
+                               do_sample=False)
+    ours = course_attn.generate(load_pretrained(folder), idx, 32, temperature=0)
+    assert theirs.shape == (2, PROMPT_LEN + 32)
+    assert torch.equal(ours, theirs)
+
+
+def test_mistral_rolling_cache_gives_transformers_tokens(checkpoints):
+    """The rolling cache keeps only the last WINDOW keys, however long the prompt and the
+    generation (20 + 32 tokens, window 8)."""
+    folder, hf_model = checkpoints["mistral"]
+    idx = prompts(batch=2)
+    theirs = hf_model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=32,
+                               do_sample=False)
+    model = load_pretrained(folder)
+    assert all(block.attn.window == WINDOW for block in model.blocks)
+    caches = model.new_rolling_caches(2)
+    assert caches[0].k.shape == (2, 2, WINDOW, 16)
+    assert torch.equal(generate(model, idx, 32, temperature=0, rolling=True), theirs)
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_bfloat16_within_dtype_scaled_tolerance(checkpoints, name):
+    """In bfloat16 the course's logits are as close to float32's as transformers' own bfloat16
+    run (within 2x), and within 16 rounding units of bfloat16 at the logits' scale."""
+    folder, hf_model = checkpoints[name]
+    idx = prompts()
+    reference = reference_logits(hf_model, idx)
+    ours = course_logits(load_pretrained(folder, dtype=torch.bfloat16), idx)
+    assert ours.dtype == torch.bfloat16
+    theirs = reference_logits(_bf16_copy(folder), idx)
+    ours_error = (ours.float() - reference).abs().max()
+    their_error = (theirs.float() - reference).abs().max()
+    scale = torch.finfo(torch.bfloat16).eps * reference.abs().max()
+    assert ours_error <= 16 * scale
+    assert ours_error <= 2 * their_error
+
+
+def _bf16_copy(folder):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf_model = save_random_checkpoint(tmp_path, "llama", seed=7, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    idx = prompts()
+    ours = course_logits(load_pretrained(tmp_path), idx)
+    assert (ours - reference_logits(hf_model, idx)).abs().max() <= ATOL
+
+
+def test_exported_at_top_level():
+    assert course_attn.load_pretrained is load_pretrained
+    assert course_attn.generate is generate
+
+
+# ----------------------------------------------------------------- what a reader can get wrong
+
+def _copy(checkpoints, name, tmp_path):
+    folder = tmp_path / name
+    shutil.copytree(checkpoints[name][0], folder)
+    return folder
+
+
+def _edit_config(folder, **changes):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def _edit_tensors(folder, edit):
+    tensors = read_tensors(folder)
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _load_error(folder) -> str:
+    with pytest.raises(CheckpointError) as error:
+        load_pretrained(folder)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("llama", dict(architectures=["BertForMaskedLM"]), "architecture BertForMaskedLM"),
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+     "rope_scaling type 'yarn'"),
+    ("llama", dict(rope_parameters=None, rope_theta=1e4,
+                   rope_scaling={"type": "dynamic", "factor": 2.0}),
+     "rope_scaling type 'dynamic'"),
+    ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=4), "use_sliding_window=True"),
+    ("gpt2", dict(add_cross_attention=True), "add_cross_attention=True"),
+    ("gpt2", dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn=True"),
+])
+def test_unsupported_config_is_one_line_naming_it(checkpoints, tmp_path, name, changes, message):
+    folder = _copy(checkpoints, name, tmp_path)
+    _edit_config(folder, **changes)
+    assert message in _load_error(folder)
+
+
+def test_missing_tensor_is_named(checkpoints, tmp_path):
+    folder = _copy(checkpoints, "llama", tmp_path)
+    _edit_tensors(folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    assert "lacks tensor 'model.layers.1.mlp.up_proj.weight'" in _load_error(folder)
+
+
+def test_unexpected_tensor_is_named(checkpoints, tmp_path):
+    folder = _copy(checkpoints, "qwen3", tmp_path)
+    _edit_tensors(folder, lambda t: t.update({"model.layers.0.self_attn.gate.weight":
+                                              torch.zeros(4)}))
+    assert "has tensor 'model.layers.0.self_attn.gate.weight'" in _load_error(folder)
+
+
+def test_shape_mismatch_is_named(checkpoints, tmp_path):
+    folder = _copy(checkpoints, "llama", tmp_path)
+    _edit_config(folder, intermediate_size=80)
+    message = _load_error(folder)
+    assert "'model.layers.0.mlp.gate_proj.weight' has shape (96, 64)" in message
+    assert "implies (80, 64)" in message
+
+
+def test_gpt2_shape_mismatch_is_named(checkpoints, tmp_path):
+    folder = _copy(checkpoints, "gpt2", tmp_path)
+    _edit_config(folder, n_embd=32)
+    assert "'transformer.h.0.attn.c_attn.weight' has shape (64, 192)" in _load_error(folder)
+
+
+def test_not_a_checkpoint_folder(checkpoints, tmp_path):
+    assert "no config.json" in _load_error(tmp_path)
+    folder = _copy(checkpoints, "llama", tmp_path)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    assert "no *.safetensors" in _load_error(folder)
+    _edit_config(folder, num_attention_heads=None)
+    del_config = json.loads((folder / "config.json").read_text())
+    del del_config["num_attention_heads"]
+    (folder / "config.json").write_text(json.dumps(del_config))
+    assert "config.json lacks 'num_attention_heads'" in _load_error(folder)
+
+
+def test_import_does_not_load_transformers():
+    """transformers takes seconds to import: the package leaves it to the functions that need
+    it."""
+    import subprocess
+    import sys
+    code = "import sys, course_attn; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,55 @@
+"""python -m course_attn.bench --hf FOLDER: the course's cached generation against transformers'
+generate on one checkpoint, in one run, as a ratio. Times are never asserted: what is checked is
+that both ran, on the same tokens, and that the report says what was measured."""
+
+import pytest
+
+from course_attn import bench, hf_bench
+from course_attn.checkpoints import save_random_checkpoint
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench")
+    save_random_checkpoint(folder, "llama", seed=5)
+    return folder
+
+
+def test_report_compares_the_same_generation(folder):
+    report = hf_bench.run_hf_bench(folder, new_tokens=8, prompt_len=4, repeats=3)
+    assert report["same_tokens"]                  # both generated the same greedy tokens
+    assert report["architecture"] == "llama" and report["threads"] == 1
+    assert set(report["tokens_per_s"]) == {"course", "transformers"}
+    assert len(report["round_speedups"]) == 3
+    assert all(s > 0 for s in report["round_speedups"])
+    assert report["speedup"] is None or min(report["round_speedups"]) <= report["speedup"] \
+        <= max(report["round_speedups"])
+    text = hf_bench.format_report(report)
+    assert "ratio course / transformers" in text and "same greedy tokens: yes" in text
+
+
+def test_bench_command_dispatches_to_the_checkpoint_bench(folder, capsys):
+    assert bench.main(["--hf", str(folder), "--new-tokens", "4", "--prompt-len", "3",
+                       "--repeats", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "4 new tokens" in out and "tokens/s" in out
+
+
+def test_bad_folder_is_one_line(tmp_path, capsys):
+    assert bench.main(["--hf", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no config.json" in err[0]
+
+
+def test_make_llama_is_about_20m_parameters():
+    """The checkpoint the issue reports the ratio for; its size from the config alone (made on
+    the meta device, no weights drawn)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", **hf_bench.LLAMA_20M)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert 19e6 < sum(p.numel() for p in model.parameters()) < 23e6
