@@ -20,6 +20,10 @@ Feature maps (``feature_map=``): ``"elu"`` (elu(x) + 1, the paper's), ``"relu"``
 (``PerformerFeatures(D)``: positive random features whose dot product approximates softmax's own
 kernel, Choromanski et al. 2021), or any callable (..., D) -> (..., D'), e.g. a
 ``PerformerFeatures`` with more features or another seed.
+
+The delta rule (``delta_rule``, ``delta_rule_step``): DeltaNet and Gated DeltaNet, whose state is
+not summed but rewritten, S_t = α_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ, in a recurrent and
+a chunked (WY/UT) form.
 """
 
 import functools
@@ -294,3 +298,190 @@ def linear_attention_step(
                          f"{_shape(fk)} and values {_shape(v)}")
     state = state.add(fk, v)
     return state.read(fq, eps).unsqueeze(2).to(q_t.dtype), state
+
+
+# ---------------------------------------------------------------- the delta rule
+
+DELTA_FORMS = ("chunked", "recurrent")
+
+
+def delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, gate: Tensor | None = None,
+    form: str = "chunked", chunk_size: int = 64, normalize: bool = True,
+) -> Tensor:
+    """Causal attention whose state is written by the delta rule: DeltaNet, and with ``gate``
+    Gated DeltaNet.
+
+    q: (B, H, T, Dk)   k: (B, H, T, Dk)   v: (B, H, T, Dv)   beta: (B, H, T) in [0, 1]
+    gate: None or (B, H, T) in (0, 1]   ->   (B, H, T, Dv)
+
+    The state S (B, H, Dk, Dv) starts at zero; each token t rewrites it, then its query reads it:
+
+        S_t = α_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ,      o_t = S_tᵀ q_t
+
+    that is, S_t = α_t S_{t-1} + β_t k_t (v_t - α_t S_{t-1}ᵀ k_t)ᵀ: before v_t is written under
+    k_t, the value that the (decayed) memory returns for k_t is taken out, in proportion β_t (the
+    write strength); α_t (the gate; 1 without one) decays the whole memory first. With a unit key
+    and β_t = 1, the value stored under k_t becomes exactly v_t. DeltaNet: Schlag et al. 2021;
+    Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence
+    Length". Gated DeltaNet: Yang, Kautz and Hatamizadeh 2025 (§3). The papers write
+    the state transposed, S = Σ v kᵀ (Dv, Dk) with o_t = S_t q_t; this module keeps linear
+    attention's (Dk, Dv) with o_t = S_tᵀ q_t, as flash-linear-attention's naive references do.
+
+    ``normalize``: L2-normalise q and k over Dk first, as both papers' layers do (I - β k kᵀ then
+    has eigenvalues in [0, 1], and the state stays bounded); ``False`` uses q and k as given.
+    No 1/√Dk: fla's kernels scale q by it by default; a caller who wants it scales the output.
+
+    ``form``: ``"recurrent"`` (one token at a time, the formula) or ``"chunked"`` (chunks of
+    ``chunk_size`` tokens in the WY/UT representation of Yang et al. 2024 §3, one loop over the
+    chunks, products inside them): equal up to rounding. Computed in float32 at least, returned
+    in q's dtype. ``ValueError`` for shapes that do not fit, β outside [0, 1], α outside (0, 1],
+    or unknown options.
+    """
+    if form not in DELTA_FORMS:
+        raise ValueError(f"unknown form {form!r}; expected one of {', '.join(DELTA_FORMS)}")
+    check_positive_ints(chunk_size=chunk_size)
+    out_dtype = q.dtype
+    q, k, v, beta, gate = _delta_operands(q, k, v, beta, gate, normalize, tokens=None)
+    if form == "recurrent" or q.shape[2] == 0:         # T = 0: no chunk to cut
+        out = _delta_recurrent(q, k, v, beta, gate)
+    else:
+        out = _delta_chunked(q, k, v, beta, gate, chunk_size)
+    return out.to(out_dtype)
+
+
+def delta_rule_step(
+    q_t: Tensor, k_t: Tensor, v_t: Tensor, beta_t: Tensor, state: Tensor | None = None, *,
+    gate_t: Tensor | None = None, normalize: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """One token of ``delta_rule``: the state is rewritten, then the token's query reads it.
+    Time and memory O(1) in the number of tokens before it.
+
+    q_t, k_t: (B, H, 1, Dk)   v_t: (B, H, 1, Dv)   beta_t, gate_t: (B, H, 1)   state: (B, H, Dk,
+    Dv) as returned before, or None for the empty (zero) state   ->   out_t (B, H, 1, Dv) in
+    q_t's dtype, and the new state (float32 at least; the old one is kept).
+
+    Calling it for t = 0, 1, ... gives ``delta_rule(...)`` token by token.
+    """
+    q, k, v, beta, gate = _delta_operands(q_t, k_t, v_t, beta_t, gate_t, normalize, tokens=1)
+    shape = (*q.shape[:2], q.shape[-1], v.shape[-1])
+    if state is None:
+        state = q.new_zeros(shape)
+    elif not isinstance(state, Tensor) or state.shape != shape:
+        raise ValueError(f"state {_shape(state)} does not fit q_t {_shape(q_t)} and v_t "
+                         f"{_shape(v_t)}: expected {shape}")
+    state = _delta_update(state.to(q), k[:, :, 0], v[:, :, 0], beta[:, :, 0],
+                          None if gate is None else gate[:, :, 0])
+    return _delta_read(state, q[:, :, 0]).unsqueeze(2).to(q_t.dtype), state
+
+
+def _delta_operands(q, k, v, beta, gate, normalize, *, tokens):
+    """Checked, in the accumulation dtype, q and k L2-normalised if asked."""
+    check_attention_inputs(q, k, v)
+    if q.shape != k.shape:
+        raise ValueError(f"the delta rule is self-attention: q {_shape(q)} and k {_shape(k)} "
+                         "must have one shape (B, H, T, Dk)")
+    if tokens is not None and q.shape[2] != tokens:
+        raise ValueError(f"a step takes one token: q_t, k_t of shape (B, H, 1, Dk), got q_t "
+                         f"{_shape(q)}")
+    _check_strength("beta", beta, q, zero_allowed=True)
+    if gate is not None:
+        _check_strength("gate", gate, q, zero_allowed=False)
+    acc = _accumulation_dtype(q.dtype)
+    q, k = q.to(acc), k.to(acc)
+    if normalize:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    return q, k, v.to(acc), beta.to(acc), None if gate is None else gate.to(acc)
+
+
+def _check_strength(name: str, x, q: Tensor, *, zero_allowed: bool) -> None:
+    """ValueError unless x is a (B, H, T) tensor on q's device with values in [0, 1] (or (0, 1])."""
+    if not isinstance(x, Tensor) or x.shape != q.shape[:3]:
+        raise ValueError(f"{name} must be a tensor of shape (B, H, T) = {tuple(q.shape[:3])}, "
+                         f"got {_shape(x)}")
+    if x.device != q.device:
+        raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+    below = x < 0 if zero_allowed else x <= 0
+    if x.numel() and (below | (x > 1) | x.isnan()).any():
+        interval = "[0, 1]" if zero_allowed else "(0, 1]"
+        raise ValueError(f"{name} must lie in {interval}; got values from {x.min().item():g} to "
+                         f"{x.max().item():g}")
+
+
+def _delta_recurrent(q: Tensor, k: Tensor, v: Tensor, beta: Tensor,
+                     gate: Tensor | None) -> Tensor:
+    """The update and the read, one token at a time: (B, H, T, ·) -> (B, H, T, Dv)."""
+    state, outs = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), []
+    for t in range(q.shape[2]):
+        state = _delta_update(state, k[:, :, t], v[:, :, t], beta[:, :, t],
+                              None if gate is None else gate[:, :, t])
+        outs.append(_delta_read(state, q[:, :, t]))
+    return torch.stack(outs, dim=2) if outs else v.new_zeros(v.shape)
+
+
+def _delta_update(state: Tensor, k: Tensor, v: Tensor, beta: Tensor,
+                  gate: Tensor | None) -> Tensor:
+    """S ← α S + β k (v - α Sᵀ k)ᵀ: state (B, H, Dk, Dv), k (B, H, Dk), v (B, H, Dv),
+    β and α (B, H)."""
+    if gate is not None:
+        state = gate[..., None, None] * state
+    stored = (k.unsqueeze(-2) @ state).squeeze(-2)                 # Sᵀ k: what k reads now
+    return state + k.unsqueeze(-1) * (beta.unsqueeze(-1) * (v - stored)).unsqueeze(-2)
+
+
+def _delta_read(state: Tensor, q: Tensor) -> Tensor:
+    """o = Sᵀ q: state (B, H, Dk, Dv), q (B, H, Dk) -> (B, H, Dv)."""
+    return (q.unsqueeze(-2) @ state).squeeze(-2)
+
+
+def _delta_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Tensor | None,
+                   chunk_size: int) -> Tensor:
+    """The delta rule over N chunks of C tokens (Yang et al. 2024 §3; the gate as in Gated
+    DeltaNet §3). Inside a chunk, with γ_r = α_1 ⋯ α_r (the gates since the chunk began; 1
+    without a gate), Γ_ri = γ_r / γ_i for i <= r, and S_0 the state the chunk starts from, the
+    values written are Δ = U - W S_0 with
+
+        T = (I + tril(diag(β) (Γ ⊙ K Kᵀ), -1))⁻¹ diag(β),    W = T diag(γ) K,    U = T V
+
+    (the UT transform: T is a triangular solve); the chunk's outputs and the next state are
+
+        O = diag(γ) Q S_0 + tril(Γ ⊙ Q Kᵀ) Δ,      S_C = γ_C S_0 + (diag(γ_C / γ) K)ᵀ Δ.
+
+    q, k: (B, H, T, Dk)  v: (B, H, T, Dv)  beta, gate: (B, H, T)  ->  (B, H, T, Dv).
+    """
+    b, h, t, dk = q.shape
+    c = min(chunk_size, t)
+    n = -(-t // c)
+    if n * c > t:  # padding: zero keys and β write nothing, α = 1 decays nothing
+        pad = n * c - t
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        beta = F.pad(beta, (0, pad))
+        gate = None if gate is None else F.pad(gate, (0, pad), value=1.0)
+    q, k, v = (x.reshape(b, h, n, c, x.shape[-1]) for x in (q, k, v))
+    beta = beta.reshape(b, h, n, c, 1)
+    kk, inside = k @ k.transpose(-2, -1), q @ k.transpose(-2, -1)      # (B, H, N, C, C)
+    if gate is None:
+        log_gamma = q.new_zeros(b, h, n, c)
+        kk, inside = kk.tril(-1), inside.tril()
+    else:
+        log_gamma = gate.reshape(b, h, n, c).log().cumsum(-1)          # log γ_r
+        gaps = log_gamma.unsqueeze(-1) - log_gamma.unsqueeze(-2)        # log Γ_ri
+        on_or_below = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        decay = gaps.masked_fill(~on_or_below, -math.inf).exp()         # Γ, 0 above the diagonal
+        kk, inside = (kk * decay).tril(-1), inside * decay
+    gamma = log_gamma.exp().unsqueeze(-1)                               # (B, H, N, C, 1)
+    lower = torch.eye(c, dtype=q.dtype, device=q.device) + beta * kk    # T = lower⁻¹ diag(β):
+    # W = T diag(γ) K and U = T V, both from one triangular solve
+    wu = torch.linalg.solve_triangular(lower, beta * torch.cat([gamma * k, v], dim=-1),
+                                       upper=False, unitriangular=True)
+    w, u = wu.split([dk, v.shape[-1]], dim=-1)
+    gamma = gamma[..., 0]
+    to_end = (log_gamma[..., -1:] - log_gamma).exp()                    # γ_C / γ_r
+    state = q.new_zeros(b, h, dk, v.shape[-1])
+    outs = []
+    for i in range(n):
+        written = u[:, :, i] - w[:, :, i] @ state                       # Δ: (B, H, C, Dv)
+        outs.append(gamma[:, :, i, :, None] * (q[:, :, i] @ state) + inside[:, :, i] @ written)
+        state = (gamma[:, :, i, -1, None, None] * state
+                 + (to_end[:, :, i, :, None] * k[:, :, i]).transpose(-2, -1) @ written)
+    return torch.cat(outs, dim=2)[:, :, :t]
