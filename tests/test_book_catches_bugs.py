@@ -1,0 +1,275 @@
+"""The book tests the package (issue 32): a plausible bug put into ``course_attn`` must make the
+chapter that teaches that idea fail.
+
+Each bug is an exact textual replacement in one module of a copy of the package (the shared
+tree is never touched). The old text must occur exactly once, so that a refactor of the package
+fails here loudly instead of testing nothing. The chapter then runs with nbclient, as the book
+is built (in book/, the book's per-cell timeout), in a kernel whose PYTHONPATH puts the copy
+first; an injected first cell asserts that the kernel imported the copy (not the editable install
+of the shared tree) and imports the mutated module. The chapter must stop at an assert: an
+AssertionError in one of its own cells, never an error of the injected cell or an import error.
+Which cell caught the bug is printed (``-s``); cell numbers are indices into the stored chapter.
+
+A bug that its chapter does not catch yet is an ``xfail(strict=True, raises=ChapterMissedTheBug)``
+whose reason names the cell that should catch it, and its injected cell first asserts that the
+bug changes what the package returns: when the chapter learns to catch it, the test passes and
+strict xfail turns that into a failure, a reminder to drop the mark.
+
+A control runs each chapter, unmutated, through the same harness up to the last cell at which a
+bug of that chapter was caught: those cells pass with the copy as it is, so a failure under a bug
+is the bug's doing.
+"""
+
+import os
+import shutil
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "book"
+# The book's own per-cell limit (_config.yml), so that a cell slow on a busy machine is not a bug.
+CELL_TIMEOUT = yaml.safe_load((ROOT / "_config.yml").read_text())["execute"]["timeout"]
+
+
+class ChapterMissedTheBug(AssertionError):
+    """The chapter ran to its end with the bug in the package."""
+
+
+@dataclass(frozen=True)
+class Bug:
+    """``old`` -> ``new`` in ``course_attn/<module>``; ``chapter`` is the notebook that teaches
+    the idea (book/<chapter>.ipynb) and must fail. ``missed``: why that chapter does not catch it
+    yet, and which cell should (None when it does); then ``live`` is code that asserts the bug
+    changes what the package returns (run before the chapter), so that the chapter's silence is
+    not that of a bug in dead code."""
+
+    id: str
+    chapter: str
+    module: str
+    old: str
+    new: str
+    missed: str | None = None
+    live: str = ""
+
+
+BUGS = [
+    Bug("ch02-scale-1-over-D", "02_scaled_dot_product", "attention.py",
+        "scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale",
+        "scale = 1.0 / q.shape[-1] if scale is None else scale"),
+    Bug("ch02-softmax-no-max-shift", "02_scaled_dot_product", "attention.py",
+        "e = torch.exp(x - m)",
+        "e = torch.exp(x)"),
+    Bug("ch02-dropout-also-in-eval", "02_scaled_dot_product", "multihead.py",
+        "dropping = self.training and self.dropout > 0",
+        "dropping = self.dropout > 0",
+        missed="chapter 2 does not catch this yet: its dropout section teaches that dropout is "
+               "off after eval() with classes of its own (DropoutAttentionBug, DropoutAttention) "
+               "and never runs the package's MultiHeadAttention(..., dropout=p); the cell of "
+               "DropoutAttention could assert that "
+               "ca.MultiHeadAttention(C, H, dropout=p).eval() returns the same output twice, "
+               "equal to its dropout=0 twin, and differs in train()",
+        live="mha = course_attn.MultiHeadAttention(8, 2, dropout=0.5).eval()\n"
+             "x = torch.randn(1, 4, 8)\n"
+             "assert not torch.equal(mha(x), mha(x))"),
+    Bug("ch03-causal-mask-hides-diagonal", "03_masking", "masks.py",
+        "return query_key_offsets(tq, tk, align=align, device=device) >= 0",
+        "return query_key_offsets(tq, tk, align=align, device=device) > 0"),
+    Bug("ch03-padding-keeps-one-pad", "03_masking", "masks.py",
+        "keep = torch.arange(t, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)",
+        "keep = torch.arange(t, device=lengths.device).unsqueeze(0) <= lengths.unsqueeze(1)"),
+    Bug("ch04-merge-heads-without-transpose", "04_multi_head", "multihead.py",
+        "return x.transpose(1, 2).reshape(b, t, h * d)",
+        "return x.reshape(b, t, h * d)"),
+    Bug("ch05-rope-exponent-off-by-one", "05_rope", "rope.py",
+        "(float(base) ** (-2.0 * i / head_dim))",
+        "(float(base) ** (-2.0 * (i + 1) / head_dim))"),
+    Bug("ch05-rope-rotates-backwards", "05_rope", "rope.py",
+        "out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)",
+        "out = torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)"),
+    Bug("ch06-rmsnorm-sum-not-mean", "06_qk_norm", "norm.py",
+        "x32.pow(2).mean(dim=-1, keepdim=True)",
+        "x32.pow(2).sum(dim=-1, keepdim=True)"),
+    Bug("ch07-gqa-tiles-instead-of-groups", "07_mqa_gqa", "attention.py",
+        "return x[:, :, None].expand(b, h_kv, n_rep, t, d).reshape(b, h_kv * n_rep, t, d)",
+        "return x[:, None].expand(b, n_rep, h_kv, t, d).reshape(b, h_kv * n_rep, t, d)"),
+    Bug("ch07-flash-groups-query-heads-tiled", "07_mqa_gqa", "flash.py",
+        "self.q = q.unflatten(1, (hkv, self.g))",
+        "self.q = q.unflatten(1, (self.g, hkv)).transpose(1, 2)"),
+    Bug("ch08-decode-positions-restart-at-0", "08_kv_cache", "multihead.py",
+        "positions = torch.arange(len(cache), len(cache) + x.shape[1], device=x.device)",
+        "positions = torch.arange(x.shape[1], device=x.device)"),
+    Bug("ch08-causal-aligned-top-left", "08_kv_cache", "masks.py",
+        'shift = tk - tq if align == "bottom_right" else 0',
+        "shift = 0"),
+    Bug("ch09-flash-forgets-to-rescale-acc", "09_flash_attention", "flash.py",
+        "acc = torch.baddbmm(acc * alpha, p, tiles.v[:, ks:ke])",
+        "acc = torch.baddbmm(acc, p, tiles.v[:, ks:ke])"),
+    Bug("ch09-online-softmax-forgets-to-rescale-sum", "09_flash_attention", "flash.py",
+        "l = l * torch.exp(m - m_new) + torch.exp(xb - m_new).sum(dim=-1, keepdim=True)",
+        "l = l + torch.exp(xb - m_new).sum(dim=-1, keepdim=True)",
+        missed="chapter 9 does not catch this yet: the cell of online_softmax_loop checks "
+               "course_attn.flash.online_softmax on rows of 50 scores, fewer than its default "
+               "block of 128, so the package never rescales its running sum there; calling it "
+               "with block=8 too (several blocks per row, as the loop the cell teaches) would",
+        live="x = 30 * torch.randn(4, 50, generator=torch.Generator().manual_seed(0))\n"
+             "assert not torch.allclose(course_attn.flash.online_softmax(x, block=8),\n"
+             "                          torch.softmax(x, dim=-1))"),
+    Bug("ch09-merge-takes-max-not-logaddexp", "09_flash_attention", "flash.py",
+        "lse = torch.logaddexp(lse_a, lse_b)",
+        "lse = torch.maximum(lse_a, lse_b)"),
+    Bug("ch09-causal-reach-misses-diagonal", "09_flash_attention", "masks.py",
+        "hi = last + 1 if is_causal else",
+        "hi = last if is_causal else",
+        missed="chapter 9 does not catch this yet: with it, a query block whose last query sits "
+               "on the first key of a key block skips that tile and loses its own key (flash, "
+               "Tq=1, Tk=129, blocks of 128: off by 0.04; Tq=3, Tk=17, blocks of 16: 0.24), but "
+               "the causal cases of the cell of tiled_attention, (100, 100) and (37, 100) in "
+               "blocks of 16, never put a block's last query there; a case such as "
+               "(Tq, Tk) = (3, 17) would",
+        live="g = torch.Generator().manual_seed(0)\n"
+             "q, k, v = (torch.randn(1, 1, t, 8, generator=g) for t in (3, 17, 17))\n"
+             "flash = course_attn.flash.flash_attention(q, k, v, is_causal=True, block_q=16,\n"
+             "                                          block_k=16)\n"
+             "assert not torch.allclose(flash, course_attn.scaled_dot_product_attention(\n"
+             "    q, k, v, is_causal=True))"),
+    Bug("ch10-chunked-prefix-inclusive", "10_linear_attention", "linear.py",
+        "s_before, z_before = s.cumsum(2) - s, z.cumsum(2) - z",
+        "s_before, z_before = s.cumsum(2), z.cumsum(2)"),
+    Bug("ch10-elu-features-without-plus-one", "10_linear_attention", "linear.py",
+        "return F.elu(x) + 1",
+        "return F.elu(x)"),
+    Bug("ch10-step-reads-before-adding-its-token", "10_linear_attention", "linear.py",
+        "    state = state.add(fk, v)\n"
+        "    return state.read(fq, eps).unsqueeze(2).to(q_t.dtype), state",
+        "    return state.read(fq, eps).unsqueeze(2).to(q_t.dtype), state.add(fk, v)"),
+    Bug("ch11-block-reach-drops-oldest-key", "11_local_attention", "masks.py",
+        "lo = 0 if window is None else first - window + 1",
+        "lo = 0 if window is None else first - window + 2"),
+    Bug("ch11-window-edge-inclusive", "11_local_attention", "masks.py",
+        "allowed &= d < window if is_causal else d.abs() < window",
+        "allowed &= d <= window if is_causal else d.abs() <= window"),
+]
+
+
+def mutated_copy(bug: Bug | None, folder: Path) -> Path:
+    """A copy of the package under ``folder``, with ``bug`` applied; returns the folder to put
+    first on PYTHONPATH."""
+    shutil.copytree(ROOT / "course_attn", folder / "course_attn",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    if bug is not None:
+        path = folder / "course_attn" / bug.module
+        source = path.read_text()
+        count = source.count(bug.old)
+        assert count == 1, (f"{bug.id}: course_attn/{bug.module} holds the text to mutate "
+                            f"{count} times, not once (was the package refactored? update the "
+                            f"bug): {bug.old!r}")
+        mutated = source.replace(bug.old, bug.new)
+        compile(mutated, str(path), "exec")                # a SyntaxError here is the bug's own
+        path.write_text(mutated)
+    return folder
+
+
+def guard_cell(package_root: Path, module: str, live: str = "") -> nbformat.NotebookNode:
+    """The injected first cell: the kernel imported the copy, the mutated module imports, and
+    ``live`` (a bug's check that it changes behaviour) passes."""
+    expected = str((package_root / "course_attn").resolve())
+    return nbformat.v4.new_code_cell(textwrap.dedent(f"""\
+        import importlib, pathlib
+        import torch
+        import course_attn
+        _where = str(pathlib.Path(course_attn.__file__).resolve().parent)
+        assert _where == {expected!r}, f"the kernel imported course_attn from {{_where}}"
+        importlib.import_module("course_attn.{module.removesuffix('.py')}")
+        """) + live)
+
+
+@dataclass
+class Run:
+    """Where a chapter stopped: the index (in the chapter as stored) of the cell that raised,
+    or None when it ran to the end, with the error's name and message; and the seconds it took."""
+
+    cell: int | None
+    ename: str
+    evalue: str
+    seconds: float
+
+
+def run_chapter(chapter: str, package_root: Path, module: str, *, stop_after: int | None = None,
+                on_path: bool = True, live: str = "") -> Run:
+    """Executes book/<chapter>.ipynb (its first ``stop_after + 1`` cells, when given) as the book
+    is built, after the guard cell, in a kernel that imports course_attn from ``package_root``
+    (put first on PYTHONPATH unless ``on_path`` is False: the guard's own test)."""
+    nb = nbformat.read(BOOK / f"{chapter}.ipynb", as_version=4)
+    if stop_after is not None:
+        nb.cells = nb.cells[:stop_after + 1]
+    nb.cells.insert(0, guard_cell(package_root, module, live))
+    first = [str(package_root)] if on_path else []
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [*first, os.environ.get("PYTHONPATH")]))}
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
+                            resources={"metadata": {"path": str(BOOK)}})
+    begin = time.perf_counter()
+    try:
+        client.execute(env=env)
+    except CellExecutionError as error:
+        failed = next(i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+                      and any(o.output_type == "error" for o in cell.outputs))
+        return Run(failed - 1, error.ename, error.evalue, time.perf_counter() - begin)
+    return Run(None, "", "", time.perf_counter() - begin)
+
+
+def test_the_guard_fails_when_the_kernel_imports_the_shared_tree(tmp_path):
+    """Without the copy on PYTHONPATH the kernel imports the editable install of the shared
+    tree, and the guard says so. (With it, PYTHONPATH wins over the editable finder on
+    sys.meta_path: every test below asserts that its guard passed.)"""
+    elsewhere = run_chapter("02_scaled_dot_product", mutated_copy(None, tmp_path), "attention.py",
+                            stop_after=-1, on_path=False)
+    assert (elsewhere.cell, elsewhere.ename) == (-1, "AssertionError"), elsewhere
+    assert str(ROOT / "course_attn") in elsewhere.evalue
+
+
+# Where each chapter's bugs were caught, for the controls: the file runs in one worker (pytest
+# runs it in order; xdist's --dist loadfile keeps a file on one worker), the controls after the
+# bugs. A control run without its bugs (-k) checks the whole chapter instead.
+CAUGHT_AT: dict[str, list[int]] = {}
+
+
+def bug_param(bug: Bug):
+    assert not bug.missed or bug.live, f"{bug.id}: a bug no chapter catches needs a live check"
+    marks = ([pytest.mark.xfail(strict=True, raises=ChapterMissedTheBug, reason=bug.missed)]
+             if bug.missed else [])
+    return pytest.param(bug, id=bug.id, marks=marks)
+
+
+@pytest.mark.parametrize("bug", [bug_param(b) for b in BUGS])
+def test_the_chapter_catches_the_bug(bug, tmp_path):
+    run = run_chapter(bug.chapter, mutated_copy(bug, tmp_path), bug.module, live=bug.live)
+    print(f"{bug.id}: book/{bug.chapter} stopped at cell {run.cell} "
+          f"({run.ename}) after {run.seconds:.0f} s")
+    assert run.cell != -1, (f"{bug.id}: the guard cell (or the live check) failed, not the "
+                            f"chapter: {run.ename}: {run.evalue}")
+    if run.cell is None:
+        raise ChapterMissedTheBug(f"book/{bug.chapter} ran to its end with the bug {bug.id} "
+                                  f"in course_attn/{bug.module}")
+    assert run.ename == "AssertionError", (
+        f"{bug.id}: book/{bug.chapter} cell {run.cell} raised {run.ename}: {run.evalue}; a "
+        "chapter catches a bug with an assert, not with an error of the code around it")
+    CAUGHT_AT.setdefault(bug.chapter, []).append(run.cell)
+
+
+@pytest.mark.parametrize("chapter", sorted({bug.chapter for bug in BUGS}))
+def test_the_unmutated_copy_passes_the_cells_that_caught_bugs(chapter, tmp_path):
+    caught = CAUGHT_AT.get(chapter)
+    last = max(caught) if caught else None
+    run = run_chapter(chapter, mutated_copy(None, tmp_path), "attention.py", stop_after=last)
+    print(f"control: book/{chapter} up to cell {last} in {run.seconds:.0f} s")
+    assert run.cell is None, (f"book/{chapter}, unmutated, failed at cell {run.cell}: "
+                              f"{run.ename}: {run.evalue}")
