@@ -385,7 +385,7 @@ def traffic_by_loops(T, block, D):
 
 def test_the_counts_are_the_tile_schedule_and_a_count_by_loops_on_public_and_hidden_sizes():
     sizes = counts_of_sizes()
-    assert len(sizes) == 2 + 4 * 10
+    assert len(sizes) == 2 + 6 * 10
     for size in sizes:
         T, block, W, D = size["T"], size["block"], size["W"], size["D"]
         right = get(COUNTS).reference(**size)
@@ -402,12 +402,14 @@ def test_the_counts_are_the_tile_schedule_and_a_count_by_loops_on_public_and_hid
 
 def test_flash_counts_hidden_sizes_cover_their_regimes():
     for seed in range(20):
-        multiple, partial, short, long = counts_of_sizes([seed])[2:]
+        multiple, partial, short, long, first_key, second_key = counts_of_sizes([seed])[2:]
         assert multiple["T"] % multiple["block"] == 0 == multiple["W"] % multiple["block"]
         assert partial["T"] % partial["block"] and partial["W"] % partial["block"] >= 2
         assert 2 <= short["W"] < short["block"]
         assert long["W"] >= long["T"] and long["T"] % long["block"]
-        for size in (multiple, partial, short, long):
+        for size, past in ((first_key, 1), (second_key, 2)):
+            assert size["W"] % size["block"] == past and size["block"] < size["W"] < size["T"]
+        for size in (multiple, partial, short, long, first_key, second_key):
             assert size["T"] >= 2 * size["block"]
 
 
@@ -924,3 +926,20 @@ def test_a_chunk_loop_that_stops_one_key_short_fails_on_every_seed():
         return chunked_attention_reference(q, k, v, bias, chunk)
 
     assert_fails_on_every_seed("ch09.chunked_attention", stops_one_short)
+
+
+def test_a_window_one_key_off_fails_on_every_seed():
+    """Issue 31: a window counted one key too wide or too narrow (``c1 >= r0 - W``, or W - 1
+    keys) changes the tile count only where a block boundary falls at the window's edge; the
+    hidden sizes put W on a block boundary (W = k·block) and one past it on every seed."""
+    from course_attn.grading.ch09 import _tiles, flash_counts_reference
+
+    def off_by(shift):
+        def window_off(T, block, W, D):
+            counts = flash_counts_reference(T, block, W, D)
+            return {**counts, "window_tiles": _tiles(T, block, W + shift)}
+        window_off.__name__ = f"window_off_by_{shift}"
+        return window_off
+
+    for shift in (1, -1):
+        assert_fails_on_every_seed(COUNTS, off_by(shift))

@@ -72,7 +72,7 @@ def test_kv_cache_ratios_the_chapters_print():
     assert per_token("Llama 2 7B") == 4 * per_token("Llama 3 8B") == 4 * per_token("Mistral 7B")
     assert per_token("Llama 2 7B") == 64 * per_token("Falcon-7B")
     ds = config("DeepSeek-V2")
-    # DeepSeek-V2, section 3.1.2: the cache of GQA with 2.25 groups, d_c + d_h^R = 4.5 d_h
+    # DeepSeek-V2, section 2.1.4 (table 1): the cache of GQA with 2.25 groups, d_c + d_h^R = 4.5 d_h
     assert ds["kv_lora_rank"] + ds["qk_rope_head_dim"] == 4.5 * ds["qk_nope_head_dim"]
 
 

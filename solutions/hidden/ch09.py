@@ -240,6 +240,10 @@ def _(gen):
 #    key blocks per query block is one too few.
 # 3. A window shorter than a block (2 <= W < block): still two key blocks per query block.
 # 4. A window at least as long as the sequence: every causal tile, T not a multiple.
+# And the window's edges, on every seed: a window one past a multiple of the block, so that a
+# block's first query reaches exactly the first key of a key block (one key more, or the
+# reach counted from ``c1 >= r0 - W``, touches one more key block), and two past it, so that
+# it reaches that block's second key (one key fewer touches one key block fewer).
 def _sized(rule):
     """A regime of flash_counts: ``rule`` of the sizes T, block, W, D."""
     return lambda case: rule(**case.kwargs)
@@ -254,6 +258,10 @@ def _sized(rule):
         _sized(lambda T, block, W, D: 2 <= W < block),
     "a window at least as long as the sequence, T not a multiple of the block":
         _sized(lambda T, block, W, D: W >= T and T % block != 0),
+    "a block's first query reaches the first key of a key block (W mod block = 1)":
+        _sized(lambda T, block, W, D: W % block == 1 and block < W < T),
+    "a block's first query reaches the second key of a key block (W mod block = 2)":
+        _sized(lambda T, block, W, D: W % block == 2 and block < W < T),
 })
 def _(gen):
     def head():
@@ -272,6 +280,11 @@ def _(gen):
     block = 2 ** randint(3, 7, gen)
     t = block * randint(2, 16, gen) + randint(1, block - 1, gen)
     sizes.append(dict(T=t, block=block, W=t + randint(0, t, gen), D=head()))
+    for past in (1, 2):
+        block = 2 ** randint(3, 7, gen)
+        k = randint(1, 5, gen)
+        sizes.append(dict(T=block * randint(k + 2, k + 12, gen) + randint(0, block - 1, gen),
+                          block=block, W=block * k + past, D=head()))
     yield from COUNTS.cases(*sizes)
 
 
