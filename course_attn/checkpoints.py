@@ -44,8 +44,11 @@ __all__ = ["ARCHITECTURES", "CheckpointConfig", "CheckpointError", "PretrainedGP
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen3ForCausalLM": "qwen3", "GPT2LMHeadModel": "gpt2"}
-ROPE_SCALINGS = {"default": None, "linear": "linear", "llama3": "llama3"}   # HF name -> course's
+ROPE_SCALINGS = ("default", "linear", "llama3")          # rope_type values the course implements
 GATED_ACTIVATIONS = ("silu",)
+# positions whose cos and sin are tabulated; later ones (up to max_position_embeddings, 128K for
+# Llama 3.1) are computed when met, so that the table is not hundreds of MB
+ROPE_TABLE = 4096
 GPT2_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
@@ -79,7 +82,8 @@ class CheckpointConfig:
     rope_scaling: tuple = ()        # scaled_rope_frequencies' keyword arguments, as pairs
     qk_norm: bool = False
     window: int | None = None
-    scale_by_layer: bool = False    # GPT-2's scale_attn_by_inverse_layer_idx
+    scale_by_sqrt_d: bool = True    # scores / sqrt(D); GPT-2's scale_attn_weights may say no
+    scale_by_layer: bool = False    # and / (layer + 1): its scale_attn_by_inverse_layer_idx
     tie_embeddings: bool = False
 
 
@@ -111,6 +115,8 @@ def _rope_options(raw: dict, architecture: str) -> tuple[float, tuple]:
 
 
 def _architecture(raw: dict) -> str:
+    if not raw.get("architectures") and raw.get("model_type") in ARCHITECTURES.values():
+        return raw["model_type"]
     names = raw.get("architectures") or [raw.get("model_type")]
     if len(names) != 1 or names[0] not in ARCHITECTURES:
         raise CheckpointError(f"config.json names architecture {', '.join(map(str, names))}; "
@@ -126,14 +132,13 @@ def _gpt2_config(raw: dict) -> CheckpointConfig:
     if activation not in GPT2_ACTIVATIONS:
         raise _unsupported("activation_function", activation, "GPT-2")
     c, h = raw["n_embd"], raw["n_head"]
-    if not raw.get("scale_attn_weights", True):
-        raise _unsupported("scale_attn_weights", False, "GPT-2")
     return CheckpointConfig(
         "gpt2", vocab_size=raw["vocab_size"], seq_len=raw["n_positions"], d_model=c,
         n_layers=raw["n_layer"], n_heads=h, n_kv_heads=h, head_dim=c // h,
         mlp_hidden=raw.get("n_inner") or 4 * c, position="learned", norm="layer",
         norm_eps=raw.get("layer_norm_epsilon", 1e-5), attention_bias=True, mlp_bias=True,
         gelu_approximate=GPT2_ACTIVATIONS[activation],
+        scale_by_sqrt_d=bool(raw.get("scale_attn_weights", True)),
         scale_by_layer=bool(raw.get("scale_attn_by_inverse_layer_idx", False)),
         tie_embeddings=raw.get("tie_word_embeddings", True))
 
@@ -217,21 +222,22 @@ class PretrainedBlock(Block):
                  rope_layout: str):
         nn.Module.__init__(self)          # Block.__init__ builds from a GPTConfig
         rope = config.position == "rope"
-        scale = None
-        if config.scale_by_layer:
-            scale = config.head_dim ** -0.5 / (layer + 1)
+        scale = None                      # 1/sqrt(D)
+        if config.scale_by_layer or not config.scale_by_sqrt_d:
+            scale = ((config.head_dim ** -0.5 if config.scale_by_sqrt_d else 1.0)
+                     / (layer + 1 if config.scale_by_layer else 1))
         self.attn_norm = _norm(config)
         self.attn = MultiHeadAttention(
             config.d_model, config.n_heads, n_kv_heads=config.n_kv_heads,
             head_dim=config.head_dim, bias=config.attention_bias, backend=backend, rope=rope,
-            rope_base=config.rope_base, max_seq_len=config.seq_len,
+            rope_base=config.rope_base, max_seq_len=min(config.seq_len, ROPE_TABLE),
             rope_interleaved=rope_layout == "interleaved", qk_norm=config.qk_norm,
             window=config.window, scale=scale)
         if config.qk_norm:
             self.attn.q_norm.eps = self.attn.k_norm.eps = config.norm_eps
         if config.rope_scaling:
-            self.attn.rotary = RotaryEmbedding(config.head_dim, config.seq_len, config.rope_base,
-                                               scaling=dict(config.rope_scaling))
+            self.attn.rotary = RotaryEmbedding(config.head_dim, min(config.seq_len, ROPE_TABLE),
+                                               config.rope_base, scaling=dict(config.rope_scaling))
         self.mlp_norm = _norm(config)
         if config.gelu_approximate is None:
             self.mlp = SwiGLU(config.d_model, config.mlp_hidden, bias=config.mlp_bias)
@@ -256,6 +262,9 @@ class PretrainedGPT(GPT):
         self.blocks = nn.ModuleList(
             PretrainedBlock(config, i, backend=backend, rope_layout=rope_layout)
             for i in range(config.n_layers))
+        if config.position == "rope":     # one table of cos and sin for every layer
+            for block in self.blocks[1:]:
+                block.attn.rotary = self.blocks[0].attn.rotary
         self.final_norm = _norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:

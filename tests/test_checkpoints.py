@@ -18,6 +18,7 @@ from course_attn.checkpoints import (
 )
 from course_attn.model import generate
 from course_attn.rope import RotaryEmbedding
+from course_attn.timing import torch_threads
 
 pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402  (after the skip)
@@ -40,6 +41,13 @@ PROMPT_LEN = 20                 # > WINDOW: Mistral's window cuts into every pro
 ATOL = 1e-4
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread, and lose much on a busy machine."""
+    with torch_threads(1):
+        yield
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """name -> (folder, the transformers model saved there), made once for the module."""
@@ -48,6 +56,20 @@ def checkpoints(tmp_path_factory):
         folder = tmp_path_factory.mktemp(name)
         made[name] = folder, save_random_checkpoint(folder, architecture, seed=seed, **options)
     return made
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(checkpoints):
+    """name -> transformers' 32 greedy tokens after ``prompts(batch=2)``, generated once."""
+    made = {}
+
+    def tokens(name):
+        if name not in made:
+            hf_model, idx = checkpoints[name][1], prompts(batch=2)
+            made[name] = hf_model.generate(idx, attention_mask=torch.ones_like(idx),
+                                           max_new_tokens=32, do_sample=False)
+        return made[name]
+    return tokens
 
 
 def prompts(batch=3, length=PROMPT_LEN, seed=0):
@@ -138,23 +160,21 @@ def test_the_tolerance_catches_a_plausible_bug(checkpoints, name, bug):
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
-def test_greedy_tokens_equal_transformers_generate(checkpoints, name):
-    folder, hf_model = checkpoints[name]
+def test_greedy_tokens_equal_transformers_generate(checkpoints, reference_tokens, name):
+    folder = checkpoints[name][0]
     idx = prompts(batch=2)
-    theirs = hf_model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=32,
-                               do_sample=False)
+    theirs = reference_tokens(name)
     ours = course_attn.generate(load_pretrained(folder), idx, 32, temperature=0)
     assert theirs.shape == (2, PROMPT_LEN + 32)
     assert torch.equal(ours, theirs)
 
 
-def test_mistral_rolling_cache_gives_transformers_tokens(checkpoints):
+def test_mistral_rolling_cache_gives_transformers_tokens(checkpoints, reference_tokens):
     """The rolling cache keeps only the last WINDOW keys, however long the prompt and the
     generation (20 + 32 tokens, window 8)."""
-    folder, hf_model = checkpoints["mistral"]
+    folder = checkpoints["mistral"][0]
     idx = prompts(batch=2)
-    theirs = hf_model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=32,
-                               do_sample=False)
+    theirs = reference_tokens("mistral")
     model = load_pretrained(folder)
     assert all(block.attn.window == WINDOW for block in model.blocks)
     caches = model.new_rolling_caches(2)
@@ -184,6 +204,37 @@ def _bf16_copy(folder):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
 
 
+def test_rope_scaling_survives_a_cast(checkpoints):
+    """Llama 3.1's frequencies, not the plain ones, after .to(bfloat16) (RotaryEmbedding
+    recomputes its table when cast), in the one table every layer shares."""
+    from course_attn.rope import scaled_rope_frequencies
+
+    model = load_pretrained(checkpoints["llama"][0], dtype=torch.bfloat16)
+    rotary = model.blocks[0].attn.rotary
+    assert all(block.attn.rotary is rotary for block in model.blocks)
+    expected = scaled_rope_frequencies(16, 500000.0, kind="llama3", factor=8.0,
+                                       original_max_len=32)
+    assert rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(rotary.inv_freq, expected)
+
+
+@pytest.mark.parametrize("options", [
+    dict(scale_attn_by_inverse_layer_idx=True), dict(scale_attn_weights=False),
+    dict(activation_function="gelu"),
+])
+def test_gpt2_options(tmp_path, options):
+    hf_model = save_random_checkpoint(tmp_path, "gpt2", seed=11, **options)
+    idx = prompts()
+    ours = course_logits(load_pretrained(tmp_path), idx)
+    assert (ours - reference_logits(hf_model, idx)).abs().max() <= ATOL
+
+
+def test_config_without_architectures_uses_model_type(checkpoints, tmp_path):
+    folder = _copy(checkpoints, "qwen3", tmp_path)
+    _edit_config(folder, architectures=None)
+    assert load_pretrained(folder).config.architecture == "qwen3"
+
+
 def test_sharded_checkpoint_loads(tmp_path):
     hf_model = save_random_checkpoint(tmp_path, "llama", seed=7, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
@@ -191,6 +242,27 @@ def test_sharded_checkpoint_loads(tmp_path):
     idx = prompts()
     ours = course_logits(load_pretrained(tmp_path), idx)
     assert (ours - reference_logits(hf_model, idx)).abs().max() <= ATOL
+
+
+def test_hub_style_names_load(checkpoints, tmp_path):
+    """The hub's GPT-2 names its tensors without "transformer." and carries the causal-mask
+    buffers (h.N.attn.bias); older Llamas carry rotary_emb.inv_freq. The course computes both."""
+    folder = _copy(checkpoints, "gpt2", tmp_path)
+
+    def hub_style(tensors):
+        for name in list(tensors):
+            tensors[name.removeprefix("transformer.")] = tensors.pop(name)
+        for i in range(2):
+            tensors[f"h.{i}.attn.bias"] = torch.ones(1, 1, 128, 128).tril()
+    _edit_tensors(folder, hub_style)
+    idx = prompts()
+    ours = course_logits(load_pretrained(folder), idx)
+    assert (ours - reference_logits(checkpoints["gpt2"][1], idx)).abs().max() <= ATOL
+    folder = _copy(checkpoints, "llama", tmp_path)
+    _edit_tensors(folder, lambda t: t.update(
+        {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
+    ours = course_logits(load_pretrained(folder), idx)
+    assert (ours - reference_logits(checkpoints["llama"][1], idx)).abs().max() <= ATOL
 
 
 def test_exported_at_top_level():
