@@ -30,6 +30,7 @@ from .timing import DTYPES, MAX_WARMUP, hardware, measure, rounds_agree, spread
 
 PROG = "python -m course_attn.bench --hf"
 COURSE, TRANSFORMERS = "course", "transformers"
+HF_CACHES = ("dynamic", "static", "static-compiled")
 LLAMA_20M = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                  num_attention_heads=6, num_key_value_heads=2, vocab_size=32000,
                  max_position_embeddings=2048, tie_word_embeddings=True,
@@ -46,14 +47,19 @@ def make_llama(folder) -> int:
 
 def run_hf_bench(folder, *, new_tokens: int = 256, prompt_len: int = 16, batch: int = 1,
                  dtype: str = "float32", threads: int | None = 1, repeats: int = 5,
-                 max_warmup: int = 2) -> dict:
+                 max_warmup: int = 2, hf_cache: str = "dynamic") -> dict:
     """Tokens per second of the course's cached generation and of transformers' ``generate``
-    on the checkpoint in ``folder``; returns a dict (see ``format_report``)."""
+    on the checkpoint in ``folder``; returns a dict (see ``format_report``). ``hf_cache``:
+    transformers' cache: "dynamic" (its default), "static" (preallocated, as the course's) or
+    "static-compiled" (and its decode step compiled by ``torch.compile``, gpt-fast's recipe,
+    which transformers does by itself on a GPU but not on a CPU)."""
     check_positive_ints(new_tokens=new_tokens, prompt_len=prompt_len, batch=batch,
                         repeats=repeats, max_warmup=max_warmup)
+    if hf_cache not in HF_CACHES:
+        raise ValueError(f"hf_cache must be one of {HF_CACHES}, got {hf_cache!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    from transformers import AutoModelForCausalLM, GenerationConfig   # slow: only here
+    from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig  # slow
 
     from .checkpoints import load_pretrained
     from .model import generate
@@ -63,7 +69,12 @@ def run_hf_bench(folder, *, new_tokens: int = 256, prompt_len: int = 16, batch: 
     theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).eval()
     # every token counts: no end-of-sequence token stops transformers early
     greedy = GenerationConfig(do_sample=False, max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+                              min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
+                              cache_implementation=None if hf_cache == "dynamic" else "static")
+    if hf_cache == "static-compiled":
+        greedy.compile_config = CompileConfig()
+        greedy.compile_config._compile_all_devices = True      # transformers' switch for a CPU
+
     prompt = torch.randint(0, ours.config.vocab_size, (batch, prompt_len),
                            generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(prompt)
@@ -85,12 +96,12 @@ def run_hf_bench(folder, *, new_tokens: int = 256, prompt_len: int = 16, batch: 
     tokens = batch * new_tokens
     # round_ratios: the course's time over transformers' in each round; speed is the inverse
     speedups = [1 / r for r in results[COURSE].round_ratios]
-    with torch.inference_mode():
-        same = torch.equal(outputs[COURSE], outputs[TRANSFORMERS])
+    same = torch.equal(outputs[COURSE], outputs[TRANSFORMERS])
     return {
         "folder": str(folder), "parameters": sum(p.numel() for p in ours.parameters()),
         "architecture": ours.config.architecture, "dtype": dtype, "batch": batch,
         "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+        "hf_cache": hf_cache,
         "threads": threads if threads is not None else torch.get_num_threads(),
         "clock": results[COURSE].clock,
         "tokens_per_s": {name: tokens / (results[name].time_ms / 1000) for name in results},
@@ -109,8 +120,9 @@ def format_report(report: dict) -> str:
         f"{report['parameters'] / 1e6:.1f}M parameters, {report['dtype']}, batch "
         f"{report['batch']}, prompt {report['prompt_len']}, {report['new_tokens']} new tokens, "
         f"{report['threads']} thread(s), {report['repeats']} rounds ({report['clock']} time)",
-        f"  course (load_pretrained + generate, KV cache)  {tps[COURSE]:8.1f} tokens/s",
-        f"  transformers generate (eager, dynamic cache)    {tps[TRANSFORMERS]:8.1f} tokens/s",
+        f"  {'course (load_pretrained + generate, KV cache)':<50}{tps[COURSE]:8.1f} tokens/s",
+        f"  {'transformers generate (' + report['hf_cache'] + ' cache)':<50}"
+        f"{tps[TRANSFORMERS]:8.1f} tokens/s",
     ]
     rounds = ", ".join(f"{s:.2f}" for s in report["round_speedups"])
     if report["speedup"] is None:
@@ -139,6 +151,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for both (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5, metavar="N", help="timed rounds")
+    p.add_argument("--hf-cache", choices=HF_CACHES, default="dynamic",
+                   help="transformers' KV cache, and whether its decode step is compiled "
+                        "(default: %(default)s)")
     p.add_argument("--max-warmup", type=int, default=2, metavar="N",
                    help=f"warm-up generations at most, each (at most {MAX_WARMUP})")
     return p
@@ -153,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{folder}", file=sys.stderr)
         report = run_hf_bench(folder, new_tokens=args.new_tokens, prompt_len=args.prompt_len,
                               batch=args.batch, dtype=args.dtype, threads=args.threads,
-                              repeats=args.repeats, max_warmup=min(args.max_warmup, MAX_WARMUP))
+                              repeats=args.repeats, max_warmup=min(args.max_warmup, MAX_WARMUP),
+                              hf_cache=args.hf_cache)
     except (ValueError, RuntimeError) as error:
         print(f"{PROG}: error: {str(error).splitlines()[0]}", file=sys.stderr)
         return 2

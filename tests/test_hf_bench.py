@@ -53,3 +53,12 @@ def test_make_llama_is_about_20m_parameters():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert 19e6 < sum(p.numel() for p in model.parameters()) < 23e6
+
+
+def test_transformers_static_cache_is_an_option(folder):
+    report = hf_bench.run_hf_bench(folder, new_tokens=4, prompt_len=3, repeats=3,
+                                   hf_cache="static")
+    assert report["same_tokens"] and report["hf_cache"] == "static"
+    assert "transformers generate (static cache)" in hf_bench.format_report(report)
+    with pytest.raises(ValueError, match="hf_cache must be one of"):
+        hf_bench.run_hf_bench(folder, hf_cache="paged")
