@@ -13,7 +13,9 @@ Two measurements, each taken in one run on one machine:
   (``timing.peak_memory_bytes``).
 - ``run_cache_update_bench``: the time of appending one token's keys and values to a cache that
   already holds L tokens, in place (``KVCache.update``) and by ``torch.cat`` (which copies all L):
-  in place, the cost does not depend on L.
+  in place, the cost does not depend on L. Every (way, L) is timed once per round, in an order
+  that rotates, and each way's time at L is divided by its time at the first L in the same round
+  (the median of those ratios, withheld unless the rounds agree).
 """
 
 import dataclasses
@@ -28,8 +30,8 @@ from .arguments import check_positive_ints
 from .kv_cache import KVCache
 from .model import GPT, GPTConfig, generate
 from .timing import (
-    MIB, NOT_SETTLED, check_positive_list, peak_memory_bytes, spread, synchronize, time_call_ms,
-    withheld_ratio,
+    MIB, NOT_SETTLED, check_positive_list, peak_memory_bytes, rotated, spread, synchronize,
+    time_call_ms, withheld_ratio,
 )
 
 
@@ -61,12 +63,20 @@ class DecodeRow:
 
 @dataclass
 class CacheUpdateRow:
-    """Appending one token to a cache holding ``cached_len``: microseconds per append."""
+    """Appending one token to a cache holding ``cached_len``: microseconds per append.
+
+    ``inplace_ratio`` and ``cat_ratio``: each way's time over its own at the first length
+    measured, the median over rounds of the ratio in each round (1.0 at the first length); None
+    when the rounds did not agree (``timing.rounds_agree``), and ``withheld`` then says why.
+    """
 
     cached_len: int
     inplace_us: float
     cat_us: float
     device: str
+    inplace_ratio: float | None = None
+    cat_ratio: float | None = None
+    withheld: str | None = None
 
 
 def decode_model(config: GPTConfig | None = None, *, device=None, seed: int = 0) -> GPT:
@@ -124,35 +134,49 @@ def run_cache_update_bench(cached_lens: Sequence[int] = (512, 16384), *, heads: 
 
     The median over ``repeats`` of the mean over ``calls`` appends, in place and by torch.cat.
     """
-    check_positive_list("cached_lens", list(cached_lens))
+    cached_lens = list(cached_lens)
+    check_positive_list("cached_lens", cached_lens)
     check_positive_ints(heads=heads, head_dim=head_dim, calls=calls, repeats=repeats)
     device = torch.device("cpu") if device is None else torch.device(device)
-    rows = []
+    k_new = torch.randn(1, heads, 1, head_dim, device=device)
+    runs = {}
     for length in cached_lens:
         cache = KVCache(1, heads, length + 1, head_dim, device=device)
-        k_new = torch.randn(1, heads, 1, head_dim, device=device)
         cache.update(torch.randn(1, heads, length, head_dim, device=device),
                      torch.randn(1, heads, length, head_dim, device=device))
         k_old, v_old = cache.k[:, :, :length].clone(), cache.v[:, :, :length].clone()
 
-        def inplace():
+        def inplace(cache=cache, length=length):
             for _ in range(calls):
                 cache.length = length            # rewind: every call appends at position L
                 cache.update(k_new, k_new)
 
-        def concatenate():
+        def concatenate(k_old=k_old, v_old=v_old):
             for _ in range(calls):
                 torch.cat([k_old, k_new], dim=2), torch.cat([v_old, k_new], dim=2)
 
-        times = {inplace: [], concatenate: []}
-        for fn in times:
-            fn()                                   # warm-up
-        for _ in range(repeats):
-            for fn in times:
-                times[fn].append(time_call_ms(fn, device) * 1e3 / calls)
-        synchronize(device)
-        rows.append(CacheUpdateRow(length, statistics.median(times[inplace]),
-                                   statistics.median(times[concatenate]), str(device)))
+        runs["inplace", length], runs["cat", length] = inplace, concatenate
+    for run in runs.values():
+        run()                                        # warm-up
+    times = {key: [] for key in runs}
+    ratios = {key: [] for key in runs}
+    for r in range(repeats):
+        this_round = {key: time_call_ms(runs[key], device) * 1e3 / calls
+                      for key in rotated(list(runs), r)}
+        for (way, length), elapsed in this_round.items():
+            times[way, length].append(elapsed)
+            ratios[way, length].append(elapsed / this_round[way, cached_lens[0]])
+    synchronize(device)
+    rows = []
+    for length in cached_lens:
+        (inplace_ratio, inplace_why), (cat_ratio, cat_why) = (
+            withheld_ratio(ratios[way, length]) for way in ("inplace", "cat"))
+        rows.append(CacheUpdateRow(
+            length, statistics.median(times["inplace", length]),
+            statistics.median(times["cat", length]), str(device),
+            1.0 if length == cached_lens[0] else inplace_ratio,
+            1.0 if length == cached_lens[0] else cat_ratio,
+            None if length == cached_lens[0] else inplace_why or cat_why))
     return rows
 
 
@@ -181,13 +205,20 @@ def format_decode_table(rows: Sequence[DecodeRow]) -> str:
 
 def format_update_table(rows: Sequence[CacheUpdateRow]) -> str:
     """The cache-update rows as a fixed-width text table, with a line under it that says what
-    ``us`` means."""
-    lines = [("cached tokens", "in place us", "torch.cat us")] + [
-        (str(r.cached_len), f"{r.inplace_us:.1f}", f"{r.cat_us:.1f}") for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(3)]
+    ``us`` and ``x first`` mean (and one more when a ratio is withheld)."""
+    def ratio(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    lines = [("cached tokens", "in place us", "x first", "torch.cat us", "x first")] + [
+        (str(r.cached_len), f"{r.inplace_us:.1f}", ratio(r.inplace_ratio), f"{r.cat_us:.1f}",
+         ratio(r.cat_ratio)) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(5)]
     out = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
-    out.append("us: microseconds per append")
+    out.append("us: microseconds per append; x first: the median over rounds of the time over "
+               "the first row's")
+    if any(r.withheld for r in rows):
+        out.append(f"-: the rounds did not agree, or were too few: {NOT_SETTLED}")
     return "\n".join(out)
 
 

@@ -153,6 +153,36 @@ def test_cache_update_rows_are_sane(device):
         assert r.inplace_us > 0 and r.cat_us > 0
 
 
+def test_appends_are_timed_in_rounds_and_each_ways_ratio_is_taken_per_round(monkeypatch):
+    """Fake clock: in place costs 3 us at any length, torch.cat length / 100 us; the second
+    round runs 10x slower. Each round's ratio to the first length is exact, so are the medians."""
+    ran = []
+
+    def time_call_ms(fn, device):
+        length = (fn.__defaults__[1] if fn.__name__ == "inplace"
+                  else fn.__defaults__[0].shape[2])
+        ran.append((fn.__name__, length))
+        cost_us = 3.0 if fn.__name__ == "inplace" else length / 100
+        round_load = 10.0 if 4 <= len(ran) - 1 < 8 else 1.0      # calls 4-7: the second round
+        return cost_us * round_load * 5 / 1e3                      # 5 appends per call, in ms
+
+    monkeypatch.setattr(decode_bench, "time_call_ms", time_call_ms)
+    rows = run_cache_update_bench((100, 3200), heads=1, head_dim=2, calls=5, repeats=5)
+    assert ran[:4] == [("inplace", 100), ("concatenate", 100), ("inplace", 3200),
+                       ("concatenate", 3200)]
+    assert ran[4:8] == [("concatenate", 100), ("inplace", 3200), ("concatenate", 3200),
+                        ("inplace", 100)]                          # the order rotates
+    assert [(r.inplace_ratio, r.cat_ratio, r.withheld) for r in rows] == [
+        (1.0, 1.0, None), (1.0, 32.0, None)]
+    assert rows[1].cat_us == pytest.approx(32.0)
+
+
+def test_too_few_rounds_withhold_the_append_ratios():
+    rows = run_cache_update_bench((8, 64), heads=2, head_dim=4, calls=3, repeats=2)
+    assert (rows[0].inplace_ratio, rows[0].cat_ratio) == (1.0, 1.0)
+    assert rows[1].inplace_ratio is None and rows[1].withheld.startswith(NOT_SETTLED)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(heads=0), "heads must be a positive int, got 0"),
     (dict(head_dim=2.5), "head_dim must be a positive int, got 2.5"),
@@ -183,13 +213,15 @@ def test_tables_show_every_row():
     assert lines[4].startswith("speed-up: the median over rounds")
     assert "8.0x" in lines[2] and "20.0x" in lines[3] and "0.125" in lines[2]
     assert lines[2].split()[-1] == "-"                        # a peak that was not measured
-    updates = format_update_table([CacheUpdateRow(512, 3.3, 40.0, "cpu"),
-                                   CacheUpdateRow(16384, 3.5, 900.0, "cpu")])
+    updates = format_update_table([
+        CacheUpdateRow(512, 3.3, 40.0, "cpu", 1.0, 1.0),
+        CacheUpdateRow(16384, 3.5, 900.0, "cpu", None, None, f"{NOT_SETTLED} (spread 0.40)")])
     lines = updates.splitlines()
-    assert len(lines) == 5 and "torch.cat" in lines[0]
-    assert lines[4] == "us: microseconds per append"
-    assert lines[2].split() == ["512", "3.3", "40.0"]
-    assert lines[3].split() == ["16384", "3.5", "900.0"]
+    assert len(lines) == 6 and "torch.cat" in lines[0]
+    assert lines[4].startswith("us: microseconds per append; x first:")
+    assert lines[5].endswith(NOT_SETTLED)
+    assert lines[2].split() == ["512", "3.3", "1.00", "40.0", "1.00"]
+    assert lines[3].split() == ["16384", "3.5", "-", "900.0", "-"]
 
 
 # ---------------------------------------------------------------- the command line
