@@ -28,7 +28,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import published
+from .published import value as published_value
 from .attention import check_attention_inputs
 
 try:
@@ -503,7 +503,7 @@ def published_peak_tflops(device_name: str) -> float | None:
     CUDA device ``device_name`` (as ``torch.cuda.get_device_name()`` says it), or None for a
     card that the table does not know."""
     card = PUBLISHED_CARDS.get(device_name)
-    return None if card is None else published.value(card, "bf16_dense_tflops")
+    return None if card is None else published_value(card, "bf16_dense_tflops")
 
 
 def attention_flops(b: int, h: int, tq: int, tk: int, d: int, is_causal: bool,
@@ -520,8 +520,10 @@ def throughput_table(rows: list[dict], device_name: str, b: int, h: int, t: int)
     the card, and without those columns, saying so, where it does not."""
     peak = published_peak_tflops(device_name)
     title = f"{device_name}  bf16  B={b} H={h} T={t}  "
-    title += (f"published peak {peak} TFLOP/s (dense bf16, {PUBLISHED_CARDS[device_name]})" if peak is not None else
-              f"no published peak for {device_name}: fractions of peak withheld")
+    if peak is None:
+        title += f"no published peak for {device_name}: fractions of peak withheld"
+    else:
+        title += f"published peak {peak} TFLOP/s (dense bf16, {PUBLISHED_CARDS[device_name]})"
     header = f"{'D':>4} {'causal':>6} {'pass':>4}  {'triton':>7} {'sdpa':>7}  {'ratio':>5}"
     lines = [title, header + (f"  {'triton/peak':>11} {'sdpa/peak':>9}" if peak is not None
                               else "")
