@@ -44,9 +44,10 @@ TAIL_CHARS = 2000             # of each part's output, in the report
 # The test modules whose tests take the ``device`` fixture (tests/conftest.py): with -k cuda,
 # their CUDA cases.
 DEVICE_TEST_MODULES = (
-    "test_attention", "test_backends", "test_bench", "test_decode", "test_decode_bench", "test_delta_rule",
-    "test_flash", "test_kv_cache", "test_linear", "test_linear_bench", "test_local", "test_masks",
-    "test_mla", "test_model", "test_multihead", "test_norm", "test_rolling_cache", "test_rope",
+    "test_attention", "test_backends", "test_bench", "test_decode", "test_decode_bench",
+    "test_delta_rule", "test_flash", "test_kv_cache", "test_linear", "test_linear_bench",
+    "test_local", "test_masks", "test_mla", "test_model", "test_multihead", "test_norm",
+    "test_rolling_cache", "test_rope",
 )
 NBVAL_CHAPTERS = ("08_kv_cache", "09_flash_attention", "10_linear_attention",
                   "11_local_attention")
