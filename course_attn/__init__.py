@@ -12,7 +12,9 @@ from .mla import MultiHeadLatentAttention
 from .model import generate
 from .multihead import MultiHeadAttention
 from .norm import RMSNorm, rms_norm
+from .paged import PagedKVCache, paged_attention
 from .rope import RotaryEmbedding, apply_rotary_emb
+from .serve import Engine
 from .masks import (
     attention_mask, causal_mask, combine_masks, padding_mask, sliding_window_mask, to_additive,
 )
@@ -21,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS", "KVCache", "MultiHeadAttention", "MultiHeadLatentAttention", "RMSNorm",
+    "Engine", "PagedKVCache", "paged_attention",
     "RollingKVCache", "RotaryEmbedding", "apply_rotary_emb", "attention_mask", "attention_weights",
     "available_devices", "causal_mask", "combine_masks", "default_device", "flash_attention",
     "generate", "get_backend", "linear_attention", "load_pretrained", "local_attention",

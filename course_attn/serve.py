@@ -1,0 +1,248 @@
+"""Serving many requests at once: a continuous-batching engine on the paged KV cache.
+
+    requests ──> waiting ──admit while blocks last──> running ──finished──> blocks freed
+                    ^                                    │
+                    └──────── preempted (blocks freed, recomputed later) ┘
+
+Every step runs ONE forward for every running request: a newly admitted one feeds its prompt
+(the prefill), the others their last token (a decode step), all packed into one batch of tokens,
+each at its own position (Orca's iteration-level scheduling, Yu et al., 2022, §3). A request
+that finishes frees its blocks at once, and a waiting one joins at the next step. When a running
+request needs a block and none is free, the request admitted last is preempted: its blocks are
+freed and it waits again, with the tokens it generated, to be recomputed later (vLLM's
+recomputation, Kwon et al., 2023, §4.5). A request whose prompt starts like a running request's
+shares the blocks of that common prefix and runs only the rest (prefix sharing).
+
+The engine reads the model's own modules, so a ``GPT`` (``model.py``) and a checkpoint loaded by
+``load_pretrained`` run alike: ``token_embedding``, ``position_embedding`` (or None),
+``blocks`` (each with ``attn_norm``, ``attn`` a ``MultiHeadAttention``, ``mlp_norm`` and
+``mlp`` or None), ``final_norm``, ``lm_head`` and ``config.seq_len``. It does not go through
+``GPT.forward``, which gives a whole batch one start position (every row's tokens at
+len(cache) .. len(cache) + T - 1): a ragged batch needs a position per token.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .arguments import check_non_negative_ints, check_positive_ints
+from .multihead import merge_heads
+from .paged import (BlockTable, PagedKVCache, PoolExhausted, block_tables_tensor,
+                    paged_attention)
+
+__all__ = ["Engine", "StepRecord"]
+
+
+@dataclass
+class _Request:
+    """One request: its tokens so far (prompt, then generated), its table, and what is cached."""
+
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    table: BlockTable
+    limit: int                  # new tokens to generate
+    new: int = 0                # tokens fed in the current step
+    slots: Tensor | None = None   # (new,) their flat slots in the pool
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did: the requests it ran (by index), those it admitted, finished and
+    preempted, how many tokens it fed (prefill and decode together) and how many of those were
+    prompt tokens not fed thanks to a shared prefix, and the pool's state after it."""
+
+    running: list[int]
+    admitted: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    fed_tokens: int = 0
+    shared_tokens: int = 0
+    cached_tokens: int = 0          # tokens the running requests hold in the pool
+    blocks_used: int = 0
+
+
+class Engine:
+    """Greedy generation for many requests at once, on a paged KV cache of ``num_blocks``
+    blocks of ``block_size`` tokens per layer.
+
+    ``engine.generate(prompts, max_new_tokens)`` -> the new tokens of each request, in request
+    order: the tokens ``generate(model, prompt, max_new_tokens, temperature=0)`` gives for each
+    alone. ``max_new_tokens`` may be one limit per request. ``max_batch`` caps the requests
+    running at once (None: as many as the blocks hold); ``share_prefixes`` turns prefix
+    sharing on or off. ``engine.steps`` records every step of
+    the last call (a ``StepRecord`` each), ``engine.pool`` is the block pool.
+    """
+
+    def __init__(self, model, *, block_size: int, num_blocks: int, max_batch: int | None = None,
+                 share_prefixes: bool = True):
+        check_positive_ints(block_size=block_size, num_blocks=num_blocks)
+        if max_batch is not None:
+            check_positive_ints(max_batch=max_batch)
+        attn = model.blocks[0].attn
+        weight = attn.k_proj.weight
+        self.model, self.max_batch, self.share_prefixes = model, max_batch, share_prefixes
+        self.device = weight.device
+        self.pool = PagedKVCache(len(model.blocks), num_blocks, block_size, attn.n_kv_heads,
+                                 attn.head_dim, dtype=weight.dtype, device=weight.device)
+        self.steps: list[StepRecord] = []
+
+    def _check(self, prompts, max_new_tokens) -> list[int]:
+        """Every request's limit of new tokens, its arguments checked (ValueError naming them)."""
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a list of token lists, got {type(prompts).__name__}")
+        limits = ([max_new_tokens] * len(prompts) if not isinstance(max_new_tokens, (list, tuple))
+                  else list(max_new_tokens))
+        if len(limits) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(limits)} limits for {len(prompts)} prompts")
+        check_non_negative_ints(**{f"max_new_tokens[{i}]": n for i, n in enumerate(limits)})
+        vocab, seq_len = self.model.config.vocab_size, self.model.config.seq_len
+        bs, n = self.pool.block_size, self.pool.num_blocks
+        for i, (prompt, max_new) in enumerate(zip(prompts, limits)):
+            if (not isinstance(prompt, (list, tuple)) or not prompt
+                    or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt)):
+                raise ValueError(f"prompt {i} must be a non-empty list of token ids in "
+                                 f"[0, vocab_size={vocab}), got {prompt!r}")
+            longest = len(prompt) + max_new - 1
+            if longest > seq_len:
+                raise ValueError(f"prompt {i} ({len(prompt)} tokens) and max_new_tokens="
+                                 f"{max_new} reach {longest} positions, past the model's "
+                                 f"seq_len={seq_len}")
+            if -(-longest // bs) > n:
+                raise ValueError(f"prompt {i} needs {-(-longest // bs)} blocks of {bs} tokens "
+                                 f"for {longest} positions, but the pool has num_blocks={n}")
+        return limits
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]],
+                 max_new_tokens: int | list[int]) -> list[list[int]]:
+        """Greedy continuations of every prompt -> the new tokens of each request, in order:
+        max_new_tokens of them (an int for all, or a list with one limit per request)."""
+        limits = self._check(prompts, max_new_tokens)
+        self.steps = []
+        done = {i: [] for i, n in enumerate(limits) if n == 0}
+        waiting = [_Request(i, list(p), len(p), self.pool.new_table(), limit=limits[i])
+                   for i, p in enumerate(prompts) if limits[i] > 0]
+        running: list[_Request] = []
+        while waiting or running:
+            record = StepRecord(running=[])
+            self._reserve_decode_slots(running, waiting, record)
+            if not record.preempted or not running:
+                self._admit(running, waiting, record)
+            next_tokens = self._forward(running).argmax(dim=-1)                # (B,) greedy
+            record.running = [r.index for r in running]
+            record.fed_tokens = sum(r.new for r in running)
+            for request, token in zip(list(running), next_tokens.tolist()):
+                request.tokens.append(token)
+                if len(request.generated) == request.limit:
+                    done[request.index] = request.generated
+                    request.table.free()
+                    running.remove(request)
+                    record.finished.append(request.index)
+            record.cached_tokens = sum(len(r.table) for r in running)
+            record.blocks_used = self.pool.num_used
+            self.steps.append(record)
+        return [done[i] for i in range(len(prompts))]
+
+    def _reserve_decode_slots(self, running: list[_Request], waiting: list[_Request],
+                              record: StepRecord) -> None:
+        """A slot for each running request's last token; preempt the latest admitted when the
+        pool is short (the earliest admitted always goes on, so every request finishes)."""
+        for request in list(running):
+            if request not in running:              # preempted to make room for an earlier one
+                continue
+            while True:
+                try:
+                    request.slots = request.table.reserve(1)
+                    request.new = 1
+                    break
+                except PoolExhausted:
+                    victim = running.pop()
+                    victim.table.free()
+                    waiting.insert(0, victim)
+                    record.preempted.append(victim.index)
+                    if victim is request:
+                        break
+
+    def _admit(self, running: list[_Request], waiting: list[_Request],
+               record: StepRecord) -> None:
+        """Admit waiting requests, in order, while the pool holds their tokens (all but the
+        last generated one are fed: a preempted request is recomputed from its prompt)."""
+        while waiting and (self.max_batch is None or len(running) < self.max_batch):
+            request = waiting[0]
+            shared = self._share_prefix(request, running)
+            try:
+                request.slots = request.table.reserve(len(request.tokens) - shared)
+            except PoolExhausted:
+                request.table.free()
+                return
+            request.new = len(request.tokens) - shared
+            running.append(waiting.pop(0))
+            record.admitted.append(request.index)
+            record.shared_tokens += shared
+
+    def _share_prefix(self, request: _Request, running: list[_Request]) -> int:
+        """Share the blocks of the longest prefix ``request`` has in common with a running
+        request -> the number of tokens shared. A block being written in this step is shared
+        only when full: the copy-on-write copy of a partly filled block is taken before it."""
+        if not self.share_prefixes:
+            return 0
+        bs, best, donor = self.pool.block_size, 0, None
+        for other in running:
+            common = 0
+            for a, b in zip(request.tokens[:-1], other.tokens[:len(other.table)]):
+                if a != b:
+                    break
+                common += 1
+            written_before = len(other.table) - other.new
+            if common > written_before:             # keys computed in this step's forward
+                common = max(written_before, common // bs * bs)
+            if common > best:
+                best, donor = common, other
+        if donor is not None:
+            request.table.share_prefix(donor.table, best)
+        return best
+
+    def _forward(self, running: list[_Request]) -> Tensor:
+        """One forward of every running request's new tokens, packed -> the logits of the next
+        token of each, (B, V). The new keys and values of each layer are written to the pool
+        before its queries attend, so a request reads the prefix another writes in this step."""
+        model, device = self.model, self.device
+        tokens = torch.tensor([t for r in running for t in r.tokens[len(r.table) - r.new:
+                                                                     len(r.table)]],
+                              dtype=torch.long, device=device)                 # (N,)
+        positions = torch.cat([torch.arange(len(r.table) - r.new, len(r.table))
+                               for r in running]).to(device)                  # (N,)
+        slots = torch.cat([r.slots for r in running]).to(device)              # (N,)
+        query_lens = torch.tensor([r.new for r in running], device=device)    # (B,)
+        context_lens = torch.tensor([len(r.table) for r in running], device=device)
+        tables = block_tables_tensor([r.table for r in running], device=device)
+        # packed token n is query (row[n], col[n]) of the padded (B, Tq) batch
+        row = torch.repeat_interleave(torch.arange(len(running), device=device), query_lens)
+        col = torch.arange(len(tokens), device=device) - (torch.cumsum(query_lens, 0)
+                                                          - query_lens)[row]
+        tq = int(query_lens.max())
+
+        x = model.token_embedding(tokens)[None]                                # (1, N, C)
+        if model.position_embedding is not None:
+            x = x + model.position_embedding(positions)
+        for layer, block in enumerate(model.blocks):
+            attn = block.attn
+            q, k, v = attn.project(block.attn_norm(x), positions=positions)    # (1, H, N, D)
+            self.pool.write(layer, slots, k[0], v[0])
+            padded = q.new_zeros(len(running), q.shape[1], tq, q.shape[3])     # (B, H, Tq, D)
+            padded[row, :, col] = q[0].transpose(0, 1)
+            out = paged_attention(padded, self.pool.k[layer], self.pool.v[layer], tables,
+                                  context_lens, query_lens, scale=attn.scale,
+                                  window=attn.window, backend=attn.backend)   # (B, H, Tq, Dv)
+            out = out[row, :, col].transpose(0, 1)[None]                       # (1, H, N, Dv)
+            x = x + attn.out_proj(merge_heads(out))
+            if block.mlp is not None:
+                x = x + block.mlp(block.mlp_norm(x))
+        last = torch.cumsum(query_lens, 0) - 1                                 # (B,)
+        return model.lm_head(model.final_norm(x[0, last]))                     # (B, V)

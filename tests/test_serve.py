@@ -1,0 +1,178 @@
+"""serve.py: the continuous-batching Engine gives every request the tokens that greedy
+``generate`` gives it alone, whatever the arrival order, block size, GQA ratio, preemptions and
+shared prefixes, on the course's GPT and on loaded checkpoints; it frees blocks as requests end
+and refuses what it cannot serve, saying why.
+
+Greedy tokens compared exactly are only a fair test where no step is a near-tie (batched and
+one-at-a-time runs round differently): ``reference`` also checks that every reference step's
+winner leads the runner-up by at least ``MARGIN`` in the logits, 30 times the largest difference
+between the engine's logits and the model's own forward measured on these models (3e-6), so the
+models and seeds here have no near-ties and equal tokens mean equal computations.
+"""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from course_attn.model import generate
+from course_attn.serve import Engine
+from helpers import gpt
+
+MARGIN = 1e-4
+MODELS = {
+    "MHA, learned positions": dict(),
+    "GQA 4:2, RoPE": dict(n_kv_heads=2, position="rope"),
+    "MQA 4:1": dict(n_kv_heads=1),
+    "GQA, RoPE, QK-norm, window 5": dict(n_kv_heads=2, position="rope", qk_norm=True, window=5),
+}
+
+
+def model_of(name, seed=0):
+    return gpt(seed, seq_len=32, **MODELS[name])
+
+
+def prompts_of(seed, n=7, vocab=13, shared=(0, 1)):
+    """n prompts of 1 to 11 tokens; the last two start like the first two (shared prefixes)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 11))] for _ in range(n)]
+    for i in shared:
+        prompts.append(prompts[i][:rng.randint(1, len(prompts[i]))] + [rng.randrange(vocab)])
+    return prompts
+
+
+def reference(model, prompts, max_new_tokens):
+    """Each prompt's greedy tokens from ``generate``, alone; checks that no step is a near-tie."""
+    limits = (max_new_tokens if isinstance(max_new_tokens, list)
+              else [max_new_tokens] * len(prompts))
+    out = []
+    for prompt, n in zip(prompts, limits):
+        idx = generate(model, torch.tensor([prompt]), n, temperature=0)
+        with torch.no_grad():
+            logits = model(idx[:, :-1])[0, len(prompt) - 1:]                  # (n, V)
+        top2 = logits.topk(2, dim=-1).values
+        assert (top2[:, 0] - top2[:, 1]).min() > MARGIN, "a near-tie: pick another seed"
+        out.append(idx[0, len(prompt):].tolist())
+    return out
+
+
+def held_blocks_at_end(engine):
+    return engine.pool.num_used, sum(engine.pool.refcount)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("name", MODELS)
+def test_every_request_gets_its_one_at_a_time_greedy_tokens(name, block_size):
+    model = model_of(name)
+    prompts = prompts_of(seed=3)
+    engine = Engine(model, block_size=block_size, num_blocks=64 * 16 // block_size)
+    assert engine.generate(prompts, 6) == reference(model, prompts, 6)
+    assert max(len(step.running) for step in engine.steps) == len(prompts)   # all together
+    assert held_blocks_at_end(engine) == (0, 0)
+
+
+def test_any_arrival_order_gives_the_same_tokens():
+    model = model_of("GQA 4:2, RoPE")
+    prompts = prompts_of(seed=5, n=5)
+    expected = reference(model, prompts, 5)
+    engine = Engine(model, block_size=4, num_blocks=12)         # a pool that preempts, too
+    for order in itertools.islice(itertools.permutations(range(len(prompts))), 0, 120, 17):
+        out = engine.generate([prompts[i] for i in order], 5)
+        assert [out[order.index(i)] for i in range(len(prompts))] == expected
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("name", ["MHA, learned positions", "MQA 4:1"])
+def test_a_pool_for_one_request_at_a_time_preempts_and_recomputes(name, block_size):
+    model = model_of(name, seed=1)
+    prompts = prompts_of(seed=7)
+    max_new = 8
+    lengths = [len(p) + max_new - 1 for p in prompts]
+    num_blocks = -(-max(lengths) // block_size)                 # the longest request fits alone
+    assert sum(-(-n // block_size) for n in lengths) > num_blocks     # but not all of them
+    engine = Engine(model, block_size=block_size, num_blocks=num_blocks, share_prefixes=False)
+    assert engine.generate(prompts, max_new) == reference(model, prompts, max_new)
+    assert sum(len(step.preempted) for step in engine.steps) > 0
+    assert max(step.blocks_used for step in engine.steps) <= num_blocks
+    assert held_blocks_at_end(engine) == (0, 0)
+
+
+def test_a_finished_request_frees_its_blocks_and_a_waiting_one_joins_the_next_step():
+    model = model_of("MHA, learned positions")
+    prompts = prompts_of(seed=11, n=4, shared=())
+    limits = [2, 6, 3, 4]
+    engine = Engine(model, block_size=4, num_blocks=32, max_batch=2, share_prefixes=False)
+    assert engine.generate(prompts, limits) == reference(model, prompts, limits)
+    joined = {i: s for s, step in enumerate(engine.steps) for i in step.admitted}
+    left = {i: s for s, step in enumerate(engine.steps) for i in step.finished}
+    assert left == {0: 1, 1: 5, 2: 4, 3: 8}
+    assert joined == {0: 0, 1: 0, 2: left[0] + 1, 3: left[2] + 1}   # the step after a finish
+    for s, step in enumerate(engine.steps):     # the blocks of the requests still running
+        still = [i for i in joined if joined[i] <= s < left[i]]
+        assert step.blocks_used == sum(-(-(len(prompts[i]) + s - joined[i]) // 4) for i in still)
+    assert engine.steps[-1].blocks_used == 0
+
+
+def test_prompts_with_a_common_prefix_share_blocks_and_copy_on_write():
+    model = model_of("GQA 4:2, RoPE")
+    rng = random.Random(2)
+    system = [rng.randrange(13) for _ in range(10)]             # ends inside a block of 4
+    prompts = [system + [rng.randrange(13) for _ in range(rng.randint(1, 4))] for _ in range(5)]
+    limits = [3, 9, 4, 5, 6]
+    expected = reference(model, prompts, limits)
+    alone = Engine(model, block_size=4, num_blocks=40, share_prefixes=False)
+    assert alone.generate(prompts, limits) == expected
+    engine = Engine(model, block_size=4, num_blocks=40, max_batch=2)
+    assert engine.generate(prompts, limits) == expected
+    shared = sum(step.shared_tokens for step in engine.steps)
+    fed = sum(step.fed_tokens for step in engine.steps)
+    assert shared >= 4 * 8                    # every later request shares at least two blocks
+    assert fed == sum(step.fed_tokens for step in alone.steps) - shared
+    assert engine.pool.copies > 0             # a shared, partly filled block was written
+    assert held_blocks_at_end(engine) == (0, 0)
+
+
+def test_requests_admitted_in_one_step_share_only_full_blocks():
+    model = model_of("MHA, learned positions")
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 8]]
+    engine = Engine(model, block_size=4, num_blocks=16)
+    assert engine.generate(prompts, 4) == reference(model, prompts, 4)
+    assert engine.steps[0].shared_tokens == 4 and engine.pool.copies == 0
+
+
+@pytest.mark.parametrize("architecture, options", [
+    ("qwen3", {}), ("mistral", dict(sliding_window=5)), ("gpt2", {})])
+def test_a_loaded_checkpoint_is_served_too(tmp_path, architecture, options):
+    pytest.importorskip("transformers")
+    from course_attn.checkpoints import load_pretrained, save_random_checkpoint
+    save_random_checkpoint(tmp_path, architecture, **options)
+    model = load_pretrained(tmp_path)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100) for _ in range(n)] for n in (3, 9, 5, 12)]
+    engine = Engine(model, block_size=4, num_blocks=6)
+    assert engine.generate(prompts, 6) == reference(model, prompts, 6)
+    assert sum(len(step.preempted) for step in engine.steps) > 0
+
+
+def test_nothing_to_generate():
+    engine = Engine(model_of("MQA 4:1"), block_size=4, num_blocks=4)
+    assert engine.generate([[1, 2], [3]], 0) == [[], []]
+    assert engine.generate([], 3) == []
+
+
+@pytest.mark.parametrize("prompts, max_new, message", [
+    ([[1, 2], []], 3, r"prompt 1 must be a non-empty list of token ids in \[0, vocab_size=13\)"),
+    ([[1, 13]], 3, r"prompt 0 must be a non-empty list of token ids"),
+    ([[1] * 30], 4, "prompt 0 .30 tokens. and max_new_tokens=4 reach 33 positions, past the "
+                    "model's seq_len=32"),
+    ([[1] * 20], 4, "prompt 0 needs 6 blocks of 4 tokens for 23 positions, but the pool has "
+                    "num_blocks=4"),
+    ([[1]], [2, 3], "max_new_tokens has 2 limits for 1 prompts"),
+    ([[1]], -1, "max_new_tokens"),
+    ("1 2 3", 2, "prompts must be a list of token lists, got str"),
+])
+def test_bad_requests_are_refused_by_name(prompts, max_new, message):
+    engine = Engine(model_of("MHA, learned positions"), block_size=4, num_blocks=4)
+    with pytest.raises(ValueError, match=message):
+        engine.generate(prompts, max_new)
