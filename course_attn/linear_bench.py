@@ -10,6 +10,9 @@ Two measurements (chapter 10), each in one run on one machine, with ``timing``'s
 - ``run_step_bench``: one decode step after L tokens. Linear attention reads and updates its
   fixed-size state (``linear_attention_step``); softmax attention reads a cache of L keys and
   values (SDPA of one query over them). The first costs the same at every L, the second grows.
+  Every (side, L) is timed once per round, in an order that rotates, and linear's time at L is
+  divided by its time at the first L in the same round (the median of those ratios, withheld
+  unless the rounds agree).
 """
 
 import dataclasses
@@ -26,8 +29,8 @@ from .arguments import check_positive_ints
 from .device import default_device
 from .linear import FEATURE_MAPS, linear_attention, linear_attention_state, linear_attention_step
 from .timing import (
-    BASELINE, DTYPES, MAX_WARMUP, MIB, BenchRow, check_device, check_sizes, format_table,
-    free_cached, measure, rotated, rows_at, time_call_ms, warm_up,
+    BASELINE, DTYPES, MAX_WARMUP, MIB, NOT_SETTLED, BenchRow, check_device, check_sizes,
+    format_table, free_cached, measure, rotated, rows_at, time_call_ms, warm_up, withheld_ratio,
 )
 
 LINEAR = "linear"
@@ -37,15 +40,17 @@ LINEAR = "linear"
 class StepRow:
     """One decode step after ``seq_len`` tokens: microseconds, and the bytes each side keeps.
 
-    ``linear_ratio``: linear's step time over its own at the shortest length measured (1.0 there).
-    ``state_mib``: linear attention's state (s and z); ``cache_mib``: the L keys and values that
-    softmax attention reads instead.
+    ``linear_ratio``: linear's step time over its own at the first length measured, the median
+    over rounds of that ratio in each round (1.0 at the first length); None when the rounds did
+    not agree (``timing.rounds_agree``), and ``withheld`` then says why. ``state_mib``: linear
+    attention's state (s and z); ``cache_mib``: the L keys and values that softmax attention
+    reads instead.
     """
 
     seq_len: int
     linear_us: float
     sdpa_us: float
-    linear_ratio: float
+    linear_ratio: float | None
     state_mib: float
     cache_mib: float
     batch: int
@@ -56,6 +61,7 @@ class StepRow:
     device: str
     calls: int
     repeats: int
+    withheld: str | None = None
 
 
 def _randn(*shape, seed: int, device, dtype) -> torch.Tensor:
@@ -141,7 +147,8 @@ def run_step_bench(
     ``linear_attention_step`` in a row, each reading the state the one before it left.
     Softmax: ``calls`` times, SDPA of one query over the L cached keys and values. Each timed call
     is such a run of ``calls`` steps, warmed up until settled, the lengths and the two sides
-    taking turns; a row gives the median over ``repeats`` of the mean step, in microseconds.
+    taking turns; a row gives the median over ``repeats`` rounds of the mean step, in
+    microseconds, and linear's ratio to the first length, taken per round (``StepRow``).
     """
     seq_lens = list(seq_lens)
     check_sizes(seq_lens, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype,
@@ -176,30 +183,38 @@ def run_step_bench(
 
     warm_up({key: (lambda key=key: timed(key)) for key in runs}, max_calls=max_warmup)
     times = {key: [] for key in runs}
-    keys = list(runs)
+    ratios = {length: [] for length in seq_lens}       # linear at L over linear at the first L
     for r in range(repeats):
-        for key in rotated(keys, r):
-            times[key].append(timed(key) * 1e3 / calls)
-    step_us = {key: statistics.median(ts) for key, ts in times.items()}
-    first = step_us[(LINEAR, seq_lens[0])]
-    return [StepRow(length, step_us[(LINEAR, length)], step_us[(BASELINE, length)],
-                    step_us[(LINEAR, length)] / first, *sizes[length], batch, heads, head_dim,
-                    str(dtype).removeprefix("torch."), feature_map, str(device), calls, repeats)
-            for length in seq_lens]
+        this_round = {key: timed(key) * 1e3 / calls for key in rotated(list(runs), r)}
+        for key, elapsed in this_round.items():
+            times[key].append(elapsed)
+        for length in seq_lens:
+            ratios[length].append(this_round[LINEAR, length] / this_round[LINEAR, seq_lens[0]])
+    rows = []
+    for length in seq_lens:
+        ratio, why = (1.0, None) if length == seq_lens[0] else withheld_ratio(ratios[length])
+        rows.append(StepRow(length, statistics.median(times[LINEAR, length]),
+                            statistics.median(times[BASELINE, length]), ratio, *sizes[length],
+                            batch, heads, head_dim, str(dtype).removeprefix("torch."),
+                            feature_map, str(device), calls, repeats, why))
+    return rows
 
 
 def format_step_table(rows: Sequence[StepRow]) -> str:
     """The decode-step rows as a fixed-width text table, with a line under it that says what
-    ``us`` and ``x first`` mean."""
+    ``us`` and ``x first`` mean (and one more when a ratio is withheld)."""
     header = ("tokens before", "linear us", "x first", "sdpa us", "state MiB", "KV cache MiB")
-    lines = [header] + [(str(r.seq_len), f"{r.linear_us:.1f}", f"{r.linear_ratio:.2f}",
+    lines = [header] + [(str(r.seq_len), f"{r.linear_us:.1f}",
+                         "-" if r.linear_ratio is None else f"{r.linear_ratio:.2f}",
                          f"{r.sdpa_us:.1f}", f"{r.state_mib:.3f}", f"{r.cache_mib:.3f}")
                         for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
-    out.append("us: microseconds per decode step; x first: linear us over its value in the "
-               "first row")
+    out.append("us: microseconds per decode step; x first: the median over rounds of linear's "
+               "time over its time in the first row")
+    if any(r.withheld for r in rows):
+        out.append(f"-: the rounds did not agree, or were too few: {NOT_SETTLED}")
     return "\n".join(out)
 
 

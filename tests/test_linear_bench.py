@@ -9,10 +9,12 @@ import sys
 
 import pytest
 
+import course_attn.linear_bench as linear_bench
 from course_attn.bench import BenchRow, main
 from course_attn.linear_bench import (
     StepRow, crossover_length, format_step_table, run_linear_bench, run_step_bench,
 )
+from course_attn.timing import NOT_SETTLED
 
 from helpers import one_line_error
 
@@ -26,20 +28,29 @@ TINY_CLI = ["--linear", "--seq-lens", "8", "16", "--step-lens", "4", "32", "--he
 # ---------------------------------------------------------------- run_linear_bench
 
 def test_linear_rows_are_sane(device):
-    rows = run_linear_bench((8, 12), chunk_size=4, device=device, **TINY)
+    rows = run_linear_bench((8, 12), chunk_size=4, device=device, **dict(TINY, repeats=3))
     assert [(r.backend, r.seq_len) for r in rows] == [
         ("linear", 8), ("sdpa", 8), ("linear", 12), ("sdpa", 12)]
     by_key = {(r.backend, r.seq_len): r for r in rows}
     for r in rows:
         assert isinstance(r, BenchRow) and r.error is None
-        assert r.time_ms > 0 and r.kept == 1 and 1 <= r.warmup_calls <= 2
+        assert r.time_ms > 0 and r.kept == 3 and 1 <= r.warmup_calls <= 2
         assert (r.batch, r.heads, r.head_dim, r.dtype, r.is_causal, r.window) == (
             1, 2, 4, "float32", True, None)
         assert r.device.startswith(device.type)
-        sdpa = by_key["sdpa", r.seq_len]
-        assert r.time_ratio == pytest.approx(r.time_ms / sdpa.time_ms)
+        # a ratio is the median of three per-round ratios, or withheld with the reason why
+        assert (r.time_ratio is None) == (r.withheld is not None)
+        assert r.withheld is None or r.withheld.startswith(NOT_SETTLED)
+        assert r.time_ratio is None or r.time_ratio > 0
         assert r.peak_mib is None or r.peak_mib > 0
     assert all(by_key["sdpa", t].time_ratio == 1.0 for t in (8, 12))
+
+
+def test_one_round_withholds_linears_ratio():
+    rows = run_linear_bench((8,), chunk_size=4, device="cpu", **TINY)
+    linear, sdpa = rows
+    assert linear.time_ratio is None and linear.withheld.startswith(NOT_SETTLED)
+    assert sdpa.time_ratio == 1.0 and sdpa.withheld is None
 
 
 @pytest.mark.parametrize("feature_map", ["relu", "performer"])
@@ -49,8 +60,6 @@ def test_every_feature_map_can_be_benchmarked(feature_map):
 
 
 def test_a_failing_call_gets_a_row_and_the_run_goes_on(monkeypatch):
-    import course_attn.linear_bench as linear_bench
-
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory\nmore detail")
 
@@ -104,18 +113,67 @@ def test_linear_bench_refuses_bad_options(kwargs, message):
 # ---------------------------------------------------------------- run_step_bench
 
 def test_step_rows_are_sane(device):
-    rows = run_step_bench((4, 64), batch=2, heads=2, head_dim=4, calls=3, repeats=2,
+    rows = run_step_bench((4, 64), batch=2, heads=2, head_dim=4, calls=3, repeats=3,
                           max_warmup=2, device=device)
     assert [r.seq_len for r in rows] == [4, 64]
     for r in rows:
         assert isinstance(r, StepRow) and r.device.startswith(device.type)
         assert r.linear_us > 0 and r.sdpa_us > 0
-        assert (r.calls, r.repeats, r.feature_map, r.dtype) == (3, 2, "elu", "float32")
+        assert (r.calls, r.repeats, r.feature_map, r.dtype) == (3, 3, "elu", "float32")
         # The state is s (B, H, D, D) and z (B, H, D) whatever the length; the cache grows.
         assert r.state_mib * MIB == 2 * 2 * (4 * 4 + 4) * 4
         assert r.cache_mib * MIB == 2 * 2 * 2 * r.seq_len * 4 * 4
-    assert rows[0].linear_ratio == 1.0
-    assert rows[1].linear_ratio == pytest.approx(rows[1].linear_us / rows[0].linear_us)
+        assert (r.linear_ratio is None) == (r.withheld is not None)
+        assert r.withheld is None or r.withheld.startswith(NOT_SETTLED)
+    assert (rows[0].linear_ratio, rows[0].withheld) == (1.0, None)
+
+
+STEP_COST_US = {("linear", 8): 2.0, ("sdpa", 8): 2.0, ("linear", 64): 3.0, ("sdpa", 64): 16.0}
+
+
+def fake_step_clock(monkeypatch, load):
+    """Installs a clock on which a step of ``STEP_COST_US[side, L]`` takes that many us times
+    ``load(round, key)`` (round -1: the warm-up); returns the list of keys in call order."""
+    seen, ran = [], []
+
+    def time_call_ms(fn, device):
+        if fn not in seen:
+            seen.append(fn)        # the warm-up runs each once, in run_step_bench's order
+        key = list(STEP_COST_US)[seen.index(fn)]
+        ran.append(key)
+        return STEP_COST_US[key] * load((len(ran) - 1) // 4 - 1, key) / 1e3   # one step, in ms
+
+    monkeypatch.setattr(linear_bench, "time_call_ms", time_call_ms)
+    return ran
+
+
+def test_steps_are_timed_in_rounds_and_the_ratio_is_taken_per_round(monkeypatch):
+    """Rounds 2 and 3 run 10x slower, and in round 4 only linear after 8 tokens does: every
+    round's ratio but the last is 1.5, and so is their median, while the ratio of the median
+    times would be 3 / 20."""
+    ran = fake_step_clock(monkeypatch, lambda r, key: 10.0 if r in (2, 3) or (
+        r == 4 and key == ("linear", 8)) else 1.0)
+    rows = run_step_bench((8, 64), heads=1, head_dim=2, calls=1, repeats=5, max_warmup=1)
+    keys = list(STEP_COST_US)
+    assert ran[:8] == keys + keys                                # the warm-up, round 0
+    assert ran[8:12] == keys[1:] + keys[:1]                      # the order rotates
+    assert [r.withheld for r in rows] == [None, None]
+    assert [r.linear_ratio for r in rows] == [1.0, pytest.approx(1.5)]
+    assert (rows[1].linear_us, rows[1].sdpa_us) == (pytest.approx(3.0), pytest.approx(16.0))
+
+
+@pytest.mark.parametrize("repeats, load, why", [
+    (5, lambda r, key: 2.0 if r % 2 and key == ("linear", 64) else 1.0, "spread 1.00 over 5"),
+    (2, lambda r, key: 1.0, "2 rounds, fewer than 3"),
+])
+def test_rounds_that_disagree_or_are_too_few_withhold_the_step_ratio(monkeypatch, repeats, load,
+                                                                      why):
+    fake_step_clock(monkeypatch, load)
+    rows = run_step_bench((8, 64), heads=1, head_dim=2, calls=1, repeats=repeats, max_warmup=1)
+    assert (rows[0].linear_ratio, rows[0].withheld) == (1.0, None)
+    assert rows[1].linear_ratio is None
+    assert rows[1].withheld.startswith(NOT_SETTLED) and why in rows[1].withheld
+    assert "-: the rounds did not agree" in format_step_table(rows)
 
 
 def test_the_performer_state_is_num_features_by_dv():
@@ -147,6 +205,11 @@ def test_step_table_shows_every_row():
     assert "us: microseconds per decode step" in lines[4] and "x first" in lines[4]
     assert lines[2].split() == ["512", "40.0", "1.00", "70.0", "0.127", "2.000"]
     assert lines[3].split() == ["4096", "42.0", "1.05", "560.0", "0.127", "16.000"]
+    rows[1] = dataclasses.replace(rows[1], linear_ratio=None,
+                                  withheld=f"{NOT_SETTLED} (spread 0.40 over 5 rounds)")
+    lines = format_step_table(rows).splitlines()
+    assert len(lines) == 6 and lines[5].endswith(NOT_SETTLED)
+    assert lines[3].split() == ["4096", "42.0", "-", "560.0", "0.127", "16.000"]
 
 
 # ---------------------------------------------------------------- the command line
