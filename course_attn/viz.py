@@ -309,9 +309,11 @@ def plot_bench(rows, *, title: str | None = None) -> Figure:
     T axis is in base 2 with a tick, labelled in plain numbers, at each measured T and no minor
     tick labels (on a log axis matplotlib's own minor labels, such as 3×10², land on the
     measured ones); the value axes are labelled 1, 2, 5, 10, ... The left panel is time per
-    call (ms), the right one peak extra memory (MiB); a time whose warm-up did not settle
-    (``settled`` False, where the rows have that field) is an open marker, "not settled" in the
-    legend. Returns the Figure.
+    call (ms), the right one peak extra memory (MiB); a time whose rounds did not agree
+    (``settled`` False, where the rows have that field: the interquartile range of its times over
+    the rounds above ``timing.SPREAD_TOLERANCE`` of their median, or fewer than
+    ``timing.MIN_ROUNDS`` rounds) is an open marker, "not settled" in the legend. Ratios are not
+    plotted, so a withheld one (``time_ratio`` None) changes nothing here. Returns the Figure.
     """
     ok = [r for r in rows if r.error is None]
     if not ok:
