@@ -133,7 +133,11 @@ class RotaryEmbedding(nn.Module):
 
     def _angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         # float64 angles, on the CPU (MPS has no float64): m·θ for m in the thousands loses
-        # digits in float32. Returned on the positions' device.
+        # digits in float32. Returned on the positions' device; on the meta device (a model
+        # built for its shapes only) there are no values to compute.
+        if positions.is_meta or self.inv_freq.is_meta:
+            shape = (positions.shape[0], self.inv_freq.shape[0])
+            return torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
         angles = (positions.cpu().to(torch.float64)[:, None]
                   * self.inv_freq.cpu().to(torch.float64)[None, :])
         return (angles.cos().float().to(positions.device),

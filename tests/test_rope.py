@@ -399,3 +399,12 @@ def test_cos_sin_that_do_not_broadcast_to_x(device):
     per_batch = cos[:3].expand(1, 1, 3, 4), sin[:3].expand(1, 1, 3, 4)
     torch.testing.assert_close(apply_rotary_emb(x, *per_batch),
                                apply_rotary_emb(x, cos[:3], sin[:3]))
+
+
+def test_a_rotary_embedding_builds_on_the_meta_device_for_its_shapes():
+    """A model sized without memory (``with torch.device("meta")``, as chapter 8 sizes Llama 3
+    8B) builds its RoPE table: shapes, no values, and no copy to the CPU."""
+    with torch.device("meta"):
+        rope = RotaryEmbedding(64, max_seq_len=8192)
+    assert rope.cos_cached.is_meta and rope.sin_cached.is_meta
+    assert rope.cos_cached.shape == rope.sin_cached.shape == (8192, 32)
