@@ -33,6 +33,24 @@ from .paged import (BlockTable, PagedKVCache, PoolExhausted, block_tables_tensor
 
 __all__ = ["Engine", "StepRecord"]
 
+MODEL_PARTS = ("token_embedding", "position_embedding", "blocks", "final_norm", "lm_head", "config")
+BLOCK_PARTS = ("attn_norm", "attn", "mlp_norm", "mlp")
+
+
+def _check_model(model) -> None:
+    """ValueError naming what the engine reads and the model lacks (module docstring)."""
+    missing = [name for name in MODEL_PARTS if not hasattr(model, name)]
+    blocks = getattr(model, "blocks", None) or []
+    missing += [f"blocks[{i}].{name}" for i, block in enumerate(blocks) for name in BLOCK_PARTS
+                if not hasattr(block, name) and not (name == "mlp_norm"
+                                                     and getattr(block, "mlp", 1) is None)]
+    if not blocks:
+        missing.append("blocks (at least one)")
+    if missing:
+        raise ValueError(f"the engine runs a GPT-like model (course_attn.model.GPT or "
+                         f"load_pretrained's), but {type(model).__name__} has no "
+                         f"{', '.join(missing)}")
+
 
 @dataclass
 class _Request:
@@ -84,6 +102,7 @@ class Engine:
         check_positive_ints(block_size=block_size, num_blocks=num_blocks)
         if max_batch is not None:
             check_positive_ints(max_batch=max_batch)
+        _check_model(model)
         attn = model.blocks[0].attn
         weight = attn.k_proj.weight
         self.model, self.max_batch, self.share_prefixes = model, max_batch, share_prefixes

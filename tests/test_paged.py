@@ -206,7 +206,7 @@ def ragged_batches(draw):
 
 
 @given(case=ragged_batches())
-def test_paged_attention_equals_each_sequences_contiguous_attention(case):
+def test_paged_attention_equals_each_sequences_contiguous_attention(case, device):
     rng = random.Random(case["seed"])
     bs, hkv, d, dv = case["block_size"], case["hkv"], case["d"], case["dv"]
     hq = hkv * case["group"]
@@ -215,17 +215,17 @@ def test_paged_attention_equals_each_sequences_contiguous_attention(case):
     need = [-(-n // bs) for n in lengths]
     order = list(range(sum(need) + 3))                  # a few blocks no table uses
     rng.shuffle(order)
-    k_pool = randn(len(order), hkv, bs, d, seed=case["seed"])
-    v_pool = randn(len(order), hkv, bs, dv, seed=case["seed"] + 1)
+    k_pool = randn(len(order), hkv, bs, d, seed=case["seed"], device=device)
+    v_pool = randn(len(order), hkv, bs, dv, seed=case["seed"] + 1, device=device)
     rows, start = [], 0
     for n in need:
         rows.append(order[start:start + n])
         start += n
-    tables = torch.tensor([r + [-1] * (max(need) - len(r)) for r in rows])
+    tables = torch.tensor([r + [-1] * (max(need) - len(r)) for r in rows], device=device)
     tq = max(query_lens)
-    q = randn(len(lengths), hq, tq, d, seed=case["seed"] + 2)
-    out = paged_attention(q, k_pool, v_pool, tables, torch.tensor(lengths),
-                          torch.tensor(query_lens), window=case["window"])
+    q = randn(len(lengths), hq, tq, d, seed=case["seed"] + 2, device=device)
+    out = paged_attention(q, k_pool, v_pool, tables, torch.tensor(lengths, device=device),
+                          torch.tensor(query_lens, device=device), window=case["window"])
     assert out.shape == (len(lengths), hq, tq, dv)
     for b, (n, m) in enumerate(zip(lengths, query_lens)):
         k = torch.cat([k_pool[i] for i in rows[b]], dim=1)[None, :, :n]       # (1, Hkv, n, D)

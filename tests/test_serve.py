@@ -63,10 +63,11 @@ def held_blocks_at_end(engine):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("name", MODELS)
-def test_every_request_gets_its_one_at_a_time_greedy_tokens(name, block_size):
-    model = model_of(name)
+def test_every_request_gets_its_one_at_a_time_greedy_tokens(name, block_size, device):
+    model = model_of(name).to(device)
     prompts = prompts_of(seed=3)
     engine = Engine(model, block_size=block_size, num_blocks=64 * 16 // block_size)
+    assert engine.pool.k[0].device == model.lm_head.weight.device
     assert engine.generate(prompts, 6) == reference(model, prompts, 6)
     assert max(len(step.running) for step in engine.steps) == len(prompts)   # all together
     assert held_blocks_at_end(engine) == (0, 0)
@@ -153,6 +154,11 @@ def test_a_loaded_checkpoint_is_served_too(tmp_path, architecture, options):
     engine = Engine(model, block_size=4, num_blocks=6)
     assert engine.generate(prompts, 6) == reference(model, prompts, 6)
     assert sum(len(step.preempted) for step in engine.steps) > 0
+
+
+def test_a_model_without_the_parts_the_engine_reads_is_refused():
+    with pytest.raises(ValueError, match="but Linear has no token_embedding, position_embedding"):
+        Engine(torch.nn.Linear(2, 2), block_size=4, num_blocks=4)
 
 
 def test_nothing_to_generate():
