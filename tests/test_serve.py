@@ -10,11 +10,14 @@ between the engine's logits and the model's own forward measured on these models
 models and seeds here have no near-ties and equal tokens mean equal computations.
 """
 
+import functools
 import itertools
 import random
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from course_attn.model import generate
 from course_attn.serve import Engine
@@ -154,6 +157,37 @@ def test_a_loaded_checkpoint_is_served_too(tmp_path, architecture, options):
     engine = Engine(model, block_size=4, num_blocks=6)
     assert engine.generate(prompts, 6) == reference(model, prompts, 6)
     assert sum(len(step.preempted) for step in engine.steps) > 0
+
+
+POOL_PROMPTS = prompts_of(seed=13, n=6, shared=(0, 1, 2))
+LONGEST_OUTPUT = 7
+
+
+@functools.cache
+def pool_reference(name):
+    """Greedy tokens of every prompt of POOL_PROMPTS, LONGEST_OUTPUT of them: a shorter limit's
+    tokens are their first ones."""
+    return reference(model_of(name), POOL_PROMPTS, LONGEST_OUTPUT)
+
+
+@given(name=st.sampled_from(["GQA 4:2, RoPE", "MHA, learned positions"]),
+       picks=st.lists(st.tuples(st.integers(0, len(POOL_PROMPTS) - 1),
+                                st.integers(1, LONGEST_OUTPUT)), min_size=1, max_size=8),
+       block_size=st.sampled_from([1, 2, 4, 16]), spare_blocks=st.integers(0, 30),
+       max_batch=st.one_of(st.none(), st.integers(1, 4)), share=st.booleans())
+def test_any_workload_any_pool_gives_the_greedy_tokens(name, picks, block_size, spare_blocks,
+                                                        max_batch, share):
+    """Requests drawn from a pool of prompts (repeats and shared prefixes included), each with
+    its own limit, on pools from the smallest that serves the longest request upward."""
+    prompts = [POOL_PROMPTS[i] for i, _ in picks]
+    limits = [n for _, n in picks]
+    smallest = max(-(-(len(p) + n - 1) // block_size) for p, n in zip(prompts, limits))
+    engine = Engine(model_of(name), block_size=block_size, num_blocks=smallest + spare_blocks,
+                    max_batch=max_batch, share_prefixes=share)
+    expected = [pool_reference(name)[i][:n] for i, n in picks]
+    assert engine.generate(prompts, limits) == expected
+    assert max(step.blocks_used for step in engine.steps) <= smallest + spare_blocks
+    assert held_blocks_at_end(engine) == (0, 0)
 
 
 def test_a_model_without_the_parts_the_engine_reads_is_refused():
