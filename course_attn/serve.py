@@ -71,8 +71,8 @@ class _Request:
 
 @dataclass
 class StepRecord:
-    """What one engine step did: the requests it ran (by index), those it admitted, finished and
-    preempted, how many tokens it fed (prefill and decode together) and how many of those were
+    """What one engine step did: the requests it ran (by index, admitted ones included), those
+    it admitted, finished and preempted, how many tokens it fed (prefill and decode together) and how many of those were
     prompt tokens not fed thanks to a shared prefix, and the pool's state after it."""
 
     running: list[int]
@@ -93,8 +93,8 @@ class Engine:
     order: the tokens ``generate(model, prompt, max_new_tokens, temperature=0)`` gives for each
     alone. ``max_new_tokens`` may be one limit per request. ``max_batch`` caps the requests
     running at once (None: as many as the blocks hold); ``share_prefixes`` turns prefix
-    sharing on or off. ``engine.steps`` records every step of
-    the last call (a ``StepRecord`` each), ``engine.pool`` is the block pool.
+    sharing on or off. ``engine.steps`` records every step of the last call (a ``StepRecord``
+    each), ``engine.pool`` is the block pool.
     """
 
     def __init__(self, model, *, block_size: int, num_blocks: int, max_batch: int | None = None,
@@ -190,8 +190,9 @@ class Engine:
 
     def _admit(self, running: list[_Request], waiting: list[_Request],
                record: StepRecord) -> None:
-        """Admit waiting requests, in order, while the pool holds their tokens (all but the
-        last generated one are fed: a preempted request is recomputed from its prompt)."""
+        """Admit waiting requests, in order, while the pool holds their tokens: every token not
+        shared with a running request is fed (a preempted request's prompt and the tokens it
+        generated, all recomputed)."""
         while waiting and (self.max_batch is None or len(running) < self.max_batch):
             request = waiting[0]
             shared = self._share_prefix(request, running)
