@@ -72,8 +72,9 @@ class _Request:
 @dataclass
 class StepRecord:
     """What one engine step did: the requests it ran (by index, admitted ones included), those
-    it admitted, finished and preempted, how many tokens it fed (prefill and decode together) and how many of those were
-    prompt tokens not fed thanks to a shared prefix, and the pool's state after it."""
+    it admitted, finished and preempted, how many tokens it fed (prefill and decode together),
+    how many prompt tokens it did not feed thanks to a shared prefix, and the pool's state
+    after it (``cached_tokens``: held by the requests still running; ``blocks_used``)."""
 
     running: list[int]
     admitted: list[int] = field(default_factory=list)
@@ -81,7 +82,7 @@ class StepRecord:
     preempted: list[int] = field(default_factory=list)
     fed_tokens: int = 0
     shared_tokens: int = 0
-    cached_tokens: int = 0          # tokens the running requests hold in the pool
+    cached_tokens: int = 0
     blocks_used: int = 0
 
 
