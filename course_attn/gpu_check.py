@@ -47,7 +47,7 @@ DEVICE_TEST_MODULES = (
     "test_attention", "test_backends", "test_bench", "test_decode", "test_decode_bench",
     "test_delta_rule", "test_flash", "test_kv_cache", "test_linear", "test_linear_bench",
     "test_local", "test_masks", "test_mla", "test_model", "test_multihead", "test_norm",
-    "test_rolling_cache", "test_rope",
+    "test_paged", "test_rolling_cache", "test_rope", "test_serve",
 )
 NBVAL_CHAPTERS = ("08_kv_cache", "09_flash_attention", "10_linear_attention",
                   "11_local_attention")
