@@ -151,9 +151,12 @@ class GPT(nn.Module):
                 for block in self.blocks]
 
     def forward(self, idx: Tensor, *, caches: list[KVCache | RollingKVCache] | None = None,
-                return_attention: bool = False) -> Tensor | tuple[Tensor, list[Tensor]]:
+                return_attention: bool = False,
+                last_only: bool = False) -> Tensor | tuple[Tensor, list[Tensor]]:
         """idx: (B, T) long -> logits (B, T, V); with ``return_attention`` also, for each layer,
-        its attention weights (B, H, T, S).
+        its attention weights (B, H, T, S). ``last_only``: the logits of the last position only,
+        (B, 1, V), all that generation reads (the output layer is the largest product of a
+        small model's step: a prefill of T tokens would pay it T times).
 
         ``caches`` (one ``KVCache`` per layer, from ``new_caches``): idx holds the next T tokens
         of sequences whose first len(caches[0]) tokens are cached; they sit at positions
@@ -192,6 +195,8 @@ class GPT(nn.Module):
             x, weights = block(x, positions=positions, return_weights=return_attention,
                                cache=None if caches is None else caches[i])
             attention.append(weights)
+        if last_only:
+            x = x[:, -1:]
         logits = self.lm_head(self.final_norm(x))                            # (B, T, V)
         return (logits, attention) if return_attention else logits
 
@@ -240,7 +245,7 @@ def _cache_and_predict(model: GPT, tokens: Tensor, caches: list[KVCache],
     the prefill of a prompt, and each decode step's one new token."""
     chunk = tokens.shape[1] if chunk is None else chunk
     for start in range(0, tokens.shape[1], chunk):
-        logits = model(tokens[:, start:start + chunk], caches=caches)          # (B, chunk, V)
+        logits = model(tokens[:, start:start + chunk], caches=caches, last_only=True)  # (B, 1, V)
     return logits[:, -1]
 
 
@@ -303,7 +308,7 @@ def _generate(model, idx, max_new_tokens, temperature, top_k, generator, use_cac
     context = model.config.seq_len
     if not use_cache:
         for _ in range(max_new_tokens):
-            logits = model(idx[:, -context:])[:, -1, :]                        # (B, V)
+            logits = model(idx[:, -context:], last_only=True)[:, -1, :]        # (B, V)
             idx = torch.cat([idx, _sample(logits, temperature, top_k, generator)], dim=1)
         return idx
     if max_new_tokens == 0:

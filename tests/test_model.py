@@ -471,3 +471,23 @@ def test_induction_head_scores_of_a_perfect_head():
     scores = induction_head_scores(PerfectInductionHead(), task)
     assert scores.shape == (1, 1)
     torch.testing.assert_close(scores, torch.ones(1, 1))
+
+
+def test_last_only_gives_the_last_positions_logits_and_runs_the_output_layer_once_a_row():
+    """Generation reads the last position's logits only: ``last_only`` equals the full forward's
+    last row, with and without caches, and the output layer then multiplies one row, not T."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model = small_gpt().eval()
+    idx = torch.randint(0, 11, (2, 7), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(idx, last_only=True), model(idx)[:, -1:])
+    caches = model.new_caches(2, 12)
+    model(idx[:, :4], caches=caches)
+    last = model(idx[:, 4:], caches=caches, last_only=True)
+    torch.testing.assert_close(last, model(idx)[:, -1:], rtol=1e-5, atol=1e-5)
+    flops = {}
+    for last_only in (False, True):
+        with FlopCounterMode(display=False) as counter:
+            model(idx, last_only=last_only)
+        flops[last_only] = counter.get_total_flops()
+    row = 2 * model.lm_head.in_features * model.lm_head.out_features       # 2 FLOPs a MAC
+    assert flops[False] - flops[True] == idx.shape[0] * (idx.shape[1] - 1) * row
