@@ -45,6 +45,10 @@ _GQA = "Ainslie et al. 2023 (GQA), section 3.1 (uptraining: alpha = 0.05 of pre-
 # peak that ordinary matmuls reach at best is half of it: 1,979 / 2 = 989.4 TFLOP/s in BF16.
 _H100 = ("NVIDIA H100 Tensor Core GPU datasheet, specifications table, H100 SXM column "
          "(BF16 Tensor Core 1,979 TFLOPS with sparsity; GPU memory bandwidth 3.35 TB/s)")
+# Figure 2 of the paper (from the experiment of its section 6.2) draws each system's KV-cache
+# memory as token states, reservation and fragmentation; section 1 quotes the token states' share.
+_VLLM = ("Kwon et al. 2023 (PagedAttention, SOSP 2023), section 1 and figure 2: existing systems "
+         "used 20.4%-38.2% of their KV-cache memory for token states; vLLM wastes under 4%")
 _H200 = ("NVIDIA H200 Tensor Core GPU datasheet, specifications table, H200 SXM column "
          "(BF16 Tensor Core 1,979 TFLOPS with sparsity; GPU memory bandwidth 4.8 TB/s)")
 
@@ -117,6 +121,10 @@ FACTS: tuple[Fact, ...] = (
     Fact("GPT-2 small", "n_layer", 12, _GPT2),
     Fact("GPT-2 small", "n_positions", 1024, _GPT2),
     Fact("GPT-2 small", "vocab_size", 50257, _GPT2),
+    # vLLM: the share of KV-cache memory that holds tokens, before and with paging
+    Fact("vLLM", "existing_systems_token_share_low", 0.204, _VLLM),
+    Fact("vLLM", "existing_systems_token_share_high", 0.382, _VLLM),
+    Fact("vLLM", "paged_waste_below", 0.04, _VLLM),
     # GPUs: dense BF16 tensor-core peak and HBM bandwidth, the two ends of a roofline
     Fact("H100 SXM", "bf16_dense_tflops", 989.4, _H100),
     Fact("H100 SXM", "hbm_bandwidth_tb_s", 3.35, _H100),

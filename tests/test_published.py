@@ -97,3 +97,13 @@ def test_context_extensions():
 def test_gqa_uptraining_is_a_small_fraction():
     # Ainslie et al. uptrain a converted checkpoint for a fraction alpha of its pre-training
     assert 0 < value("GQA", "uptraining_fraction") < 0.1
+
+
+def test_vllm_shares_are_fractions_and_paging_beats_the_best_earlier_system():
+    # Kwon et al.: earlier systems kept 20.4%-38.2% of KV memory for tokens, vLLM wastes < 4%
+    low = value("vLLM", "existing_systems_token_share_low")
+    high = value("vLLM", "existing_systems_token_share_high")
+    waste = value("vLLM", "paged_waste_below")
+    assert 0 < low < high < 1 - waste < 1
+    assert f"{low:.1%}" in published.source("vLLM", "paged_waste_below")
+    assert f"{high:.1%}" in published.source("vLLM", "paged_waste_below")
