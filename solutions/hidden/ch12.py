@@ -1,0 +1,145 @@
+"""Hidden cases of chapter 12: drawn by the grader with a fresh seed for every notebook it grades.
+Private to instructors: never published with the course (see book/instructors.md)."""
+
+import torch
+
+from course_attn.grading.cases import randint
+from course_attn.grading.ch12 import MEMORY, gather_case, trace
+from course_attn.grading.exercise import Case, hidden
+
+
+# ch12.gather_kv: every seed draws several blocks out of the pool's order with a partly filled
+# last block (reading the pool's order, the pool's first blocks, whole blocks and a slot-by-slot
+# layout are each wrong there), a length that fills its last block exactly, a single block,
+# block size 1, and Dv != D in float64.
+def _gather(rule):
+    """A regime of gather_kv: ``rule`` of (pool_k, pool_v, table, length, bs)."""
+    return lambda case: bool(rule(*case.args, case.args[0].shape[2]))
+
+
+@hidden("ch12.gather_kv", regimes={
+    "the length fills its last block exactly (length % bs = 0, bs > 1)":
+        _gather(lambda pk, pv, table, n, bs: n % bs == 0 and bs > 1),
+    "the last block partly filled (length % bs != 0)":
+        _gather(lambda pk, pv, table, n, bs: n % bs != 0),
+    "a single block (length <= bs)": _gather(lambda pk, pv, table, n, bs: n <= bs),
+    "blocks out of the pool's order in the table":
+        _gather(lambda pk, pv, table, n, bs: not torch.equal(table, table.sort().values)),
+    "block size 1": _gather(lambda pk, pv, table, n, bs: bs == 1),
+    "several key/value heads (Hkv > 1)": _gather(lambda pk, pv, table, n, bs: pk.shape[1] > 1),
+    "values of another width than the keys (Dv != D)":
+        _gather(lambda pk, pv, table, n, bs: pv.shape[-1] != pk.shape[-1]),
+})
+def _(gen):
+    d = randint(2, 8, gen)
+    bs, m = randint(2, 6, gen), randint(2, 5, gen)
+    n = (m - 1) * bs + randint(1, bs - 1, gen)
+    yield gather_case(f"bs={bs}, length={n}", m + randint(1, 6, gen), randint(2, 4, gen), bs, d,
+                      d, n, gen)
+    bs, m = randint(2, 6, gen), randint(2, 5, gen)
+    yield gather_case(f"bs={bs}, length={m * bs}", m + randint(1, 6, gen), randint(1, 3, gen),
+                      bs, d, d, m * bs, gen)
+    bs = randint(2, 8, gen)
+    n = randint(1, bs, gen)
+    yield gather_case(f"a single block: bs={bs}, length={n}", randint(2, 8, gen),
+                      randint(1, 3, gen), bs, d, d, n, gen)
+    n = randint(2, 9, gen)
+    yield gather_case(f"bs=1, length={n}", n + randint(1, 6, gen), randint(1, 3, gen), 1, d, d,
+                      n, gen)
+    bs, m = randint(2, 5, gen), randint(2, 4, gen)
+    n = (m - 1) * bs + randint(1, bs, gen)
+    dv = randint(1, d - 1, gen) if d > 2 else d + randint(1, 4, gen)
+    yield gather_case(f"float64, Dv={dv}: bs={bs}, length={n}", m + randint(1, 4, gen),
+                      randint(2, 3, gen), bs, d, dv, n, gen, dtype=torch.float64)
+    # the edge, on every seed: one token
+    yield gather_case("one token", randint(2, 6, gen), 2, randint(2, 8, gen), d, d, 1, gen)
+
+
+# ch12.run_requests: one sequence of operations in each scenario, on every seed, with lengths
+# drawn at random inside it: no sharing, a freed request's blocks taken again (never returning
+# a block to the free list is wrong there); a shared prefix whose first holder is freed while
+# the other holds it (the given bug and skipping shared blocks are wrong there); a shared,
+# partly filled last block copied on write; both holders of a prefix freed in turn, then the
+# blocks taken again.
+def _traced(flag, present=True):
+    """A regime of run_requests: whether the package's pool shows ``flag`` on the case's ops."""
+    return lambda case: (flag in trace(*case.args)) == present
+
+
+# The sequence with no sharing is drawn on every seed but is no regime of its own: the given
+# function is right there, and a regime it passes would earn points for the bug unrepaired.
+@hidden("ch12.run_requests", regimes={
+    "a request freed while another still holds some of its blocks": _traced("freed shared"),
+    "a shared, partly filled block copied on write": _traced("cow"),
+    "a freed block taken again": _traced("reused"),
+})
+def _(gen):
+    def room(ops):
+        return sum(op[2] for op in ops if op[0] in ("new", "append")) + 4
+
+    bs = randint(1, 4, gen)
+    ops = [("new", "a", randint(bs + 1, 4 * bs, gen)), ("new", "b", randint(1, 3 * bs, gen)),
+           ("free", "a"), ("new", "c", randint(1, 4 * bs, gen)),
+           ("append", "b", randint(1, 5, gen))]
+    yield Case(f"no sharing, bs={bs}", (room(ops), bs, ops))
+    bs = randint(1, 4, gen)
+    n = randint(2 * bs, 5 * bs, gen)
+    prefix = randint(bs, n, gen)
+    ops = [("new", "a", n), ("fork", "b", "a", prefix), ("free", "a"),
+           ("new", "c", randint(1, 4 * bs, gen)), ("append", "b", randint(1, 5, gen))]
+    yield Case(f"a shared prefix of {prefix} tokens, its first holder freed, bs={bs}",
+               (room(ops), bs, ops))
+    bs = randint(2, 5, gen)
+    n = bs * randint(1, 3, gen) + randint(1, bs - 1, gen)
+    ops = [("new", "a", n), ("fork", "b", "a", n), ("append", "b", randint(1, 4, gen)),
+           ("free", "b"), ("new", "c", randint(1, 3 * bs, gen)), ("append", "a", 1)]
+    yield Case(f"a shared, partly filled block copied on write, bs={bs}", (room(ops), bs, ops))
+    bs = randint(1, 4, gen)
+    n = randint(bs + 1, 5 * bs, gen)
+    ops = [("new", "a", n), ("fork", "b", "a", randint(1, n, gen)), ("free", "b"),
+           ("new", "c", randint(1, 2 * bs, gen)), ("free", "a"),
+           ("new", "d", randint(bs, 6 * bs, gen))]
+    yield Case(f"both holders of a prefix freed in turn, bs={bs}", (room(ops), bs, ops))
+
+
+# ch12.paged_memory: one set of sizes in each regime, on every seed, the rest drawn at random
+# inside it: every length a multiple of the block size (a block too many is wrong there); two
+# or more lengths one past a multiple (only the full blocks, and packing the sequences
+# together, are wrong there); a sequence of a single token; block size 1; a sequence as long
+# as max_len. max_len is longer than every length except in the last regime, so that sizing
+# the contiguous buffers by the longest sequence present is wrong.
+def _sized(rule):
+    """A regime of paged_memory: ``rule`` of (lengths, block_size, max_len)."""
+    return lambda case: bool(rule(**case.kwargs))
+
+
+@hidden("ch12.paged_memory", regimes={
+    "every length a multiple of the block size (bs > 1)":
+        _sized(lambda lengths, block_size, max_len: block_size > 1 and
+               all(n % block_size == 0 for n in lengths)),
+    "two or more lengths one past a multiple of the block size (bs > 1)":
+        _sized(lambda lengths, block_size, max_len: block_size > 1 and
+               sum(n % block_size == 1 for n in lengths) >= 2),
+    "a sequence of a single token": _sized(lambda lengths, block_size, max_len: 1 in lengths),
+    "block size 1": _sized(lambda lengths, block_size, max_len: block_size == 1),
+    "a sequence as long as max_len":
+        _sized(lambda lengths, block_size, max_len: max(lengths) == max_len),
+})
+def _(gen):
+    def sizes(lengths, bs, longest=False):
+        top = max(lengths)
+        return dict(lengths=lengths, block_size=bs,
+                    max_len=top if longest else top + randint(1, 64, gen))
+
+    count = randint(2, 6, gen)
+    bs = 2 ** randint(1, 5, gen)
+    every = [sizes([bs * randint(1, 8, gen) for _ in range(count)], bs)]
+    bs = 2 ** randint(1, 5, gen)
+    every.append(sizes([bs * randint(0, 8, gen) + 1 for _ in range(count)]
+                       + [randint(2, 8 * bs, gen)], bs))
+    bs = 2 ** randint(1, 5, gen)
+    every.append(sizes([1] + [randint(2, 8 * bs, gen) for _ in range(count)], bs))
+    every.append(sizes([randint(1, 300, gen) for _ in range(count)], 1))
+    bs = 2 ** randint(1, 5, gen)
+    every.append(sizes([randint(1, 8 * bs, gen) for _ in range(count)], bs, longest=True))
+    yield from MEMORY.cases(*every)

@@ -1,0 +1,286 @@
+"""Chapter 12's exercises: each typical mistake fails the case meant for it with its own hint, on
+the public cases and on the hidden cases of every seed, a wrong answer that no mistake explains
+gets no hint, and a banned call is reported by name. What every exercise must satisfy is tested
+once, for all chapters, in test_exercises_conformance.py.
+
+The wrong solutions below are written as a student would write them; each test names the case
+it must fail and a fragment of the hint it must get.
+"""
+
+import math
+
+import nbformat
+import pytest
+import torch
+
+from course_attn.grading import get, run_exercise
+from course_attn.grading.exercise import hidden_cases, load_hidden
+from course_attn.paged import PagedKVCache
+
+from check_support import (assert_banned, assert_fails, assert_fails_on_every_seed,
+                           assert_fails_unnamed)
+from helpers import ROOT
+
+GATHER, REQUESTS, MEMORY = "ch12.gather_kv", "ch12.run_requests", "ch12.paged_memory"
+load_hidden(ROOT / "solutions")
+
+
+# --- solutions as in solutions/12_serving.ipynb ---------------------------------------------------
+
+def gather_kv(pool_k, pool_v, block_table, length, *, order="table", whole=False,
+              layout="blocks"):
+    """The solution; the keywords make it one typical mistake or another, as a student writes
+    it: token by token through the table, or block by block."""
+    if order == "table" and not whole and layout == "blocks":
+        bs = pool_k.shape[2]
+        positions = torch.arange(length)
+        blocks, offsets = block_table[positions // bs], positions % bs
+        return (pool_k[blocks, :, offsets].transpose(0, 1),
+                pool_v[blocks, :, offsets].transpose(0, 1))
+    table = {"table": block_table, "pool": torch.sort(block_table).values,
+             "first": torch.arange(len(block_table))}[order]
+    out = []
+    for pool in (pool_k, pool_v):
+        per_block = [pool[b] for b in table.tolist()]                   # each (Hkv, bs, D)
+        if layout == "slots":
+            tokens = [blk[:, s] for s in range(pool.shape[2]) for blk in per_block]
+        else:
+            tokens = [blk[:, s] for blk in per_block for s in range(pool.shape[2])]
+        flat = torch.stack(tokens, dim=1)                               # (Hkv, M · bs, D)
+        out.append(flat if whole else flat[:, :length])
+    return tuple(out)
+
+
+def notebook_function(folder, grade_id, name):
+    """``name`` as a cell of ``folder``/12_serving.ipynb defines it (the setup cell imports
+    math)."""
+    nb = nbformat.read(ROOT / folder / "12_serving.ipynb", as_version=4)
+    (cell,) = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id]
+    namespace = {"math": math}
+    exec(cell.source, namespace)
+    return namespace[name]
+
+
+run_requests = notebook_function("solutions", "ch12-run_requests-solution", "run_requests")
+
+
+# The repairs a student may write instead, each the free loop's body for one block: the given
+# bug (the count zeroed, the block freed), a count that drops but a block never given back,
+# shared blocks skipped.
+def _zeroed(block, refcount, free):
+    refcount[block] = 0
+    free.append(block)
+
+
+def _leaked(block, refcount, free):
+    refcount[block] -= 1
+
+
+def _skipped(block, refcount, free):
+    if refcount[block] == 1:
+        refcount[block] = 0
+        free.append(block)
+
+
+WRONG_REPAIRS = {"zero": _zeroed, "leak": _leaked, "skip": _skipped}
+
+
+def wrong_repair(on_free):
+    from course_attn.grading.ch12 import bookkeeping
+    run = bookkeeping(WRONG_REPAIRS[on_free])
+    run.__name__ = f"run_requests_{on_free}"
+    return run
+
+
+def paged_memory(lengths, block_size, max_len, *, blocks_of="ceil", contiguous="max_len"):
+    """The solution; the keywords make it one typical mistake or another."""
+    if blocks_of == "pooled":                    # the tokens of every sequence together
+        blocks = -(-sum(lengths) // block_size)
+    else:
+        per = {"ceil": lambda n: -(-n // block_size), "floor": lambda n: n // block_size,
+               "plus_one": lambda n: n // block_size + 1}[blocks_of]
+        blocks = sum(per(n) for n in lengths)
+    reserved = max_len if contiguous == "max_len" else max(lengths)
+    return {"blocks": blocks, "paged_empty": blocks * block_size - sum(lengths),
+            "contiguous_empty": len(lengths) * reserved - sum(lengths)}
+
+
+@pytest.mark.parametrize("key, fn", [(GATHER, gather_kv), (REQUESTS, run_requests),
+                                     (MEMORY, paged_memory)])
+def test_the_notebooks_solutions_pass_with_the_watch_on(key, fn):
+    for cases in [None] + [hidden_cases(key, seed) for seed in range(5)]:
+        judgement = run_exercise(get(key), fn, cases)
+        assert judgement.passed, (judgement.banned, [(r.name, r.message) for r in
+                                                     judgement.results if not r.passed])
+
+
+# --- gather_kv -----------------------------------------------------------------------------------
+
+OUT_OF_ORDER = "three blocks out of order, the last partly filled: bs=4, length=10, Hkv=2, D=Dv=8"
+IN_ORDER = "blocks in the pool's order, but not its first ones: bs=2, length=5"
+
+
+def test_the_gather_reference_reads_back_what_the_package_pool_wrote():
+    """Tokens written through a BlockTable, with other sequences' blocks in between and a freed
+    block reused, are read back by the reference, in order, up to the length."""
+    pool = PagedKVCache(1, 12, 3, 2, 4, value_dim=5, dtype=torch.float64)
+    other, table = pool.new_table(), pool.new_table()
+    k, v = torch.randn(2, 11, 4, dtype=torch.float64), torch.randn(2, 11, 5, dtype=torch.float64)
+    pool.write(0, other.reserve(4), torch.zeros(2, 4, 4, dtype=torch.float64),
+               torch.zeros(2, 4, 5, dtype=torch.float64))
+    pool.write(0, table.reserve(5), k[:, :5], v[:, :5])
+    other.free()
+    pool.write(0, table.reserve(6), k[:, 5:], v[:, 5:])
+    blocks = torch.tensor(table.blocks)
+    assert not torch.equal(blocks, blocks.sort().values)        # the freed blocks came back
+    got_k, got_v = get(GATHER).reference(pool.k[0], pool.v[0], blocks, 11)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert torch.equal(gather_kv(pool.k[0], pool.v[0], blocks, 11)[0], k)
+
+
+def test_gather_kv_mistakes():
+    assert_fails(GATHER, lambda *a: gather_kv(*a, order="pool"), OUT_OF_ORDER,
+                 hint="in the order they sit in the pool")
+    assert_fails(GATHER, lambda *a: gather_kv(*a, order="first"), IN_ORDER,
+                 hint="the pool's first blocks")
+    assert_fails(GATHER, lambda *a: gather_kv(*a, whole=True), OUT_OF_ORDER,
+                 hint="every slot of the blocks")
+    assert_fails(GATHER, lambda *a: gather_kv(*a, layout="slots"), OUT_OF_ORDER,
+                 hint="slot by slot across the blocks")
+
+
+def test_a_gather_wrong_in_no_declared_way_gets_no_hint():
+    def reversed_heads(*args):
+        k, v = gather_kv(*args)
+        return k.flip(0), v.flip(0)
+    assert_fails_unnamed(GATHER, reversed_heads, OUT_OF_ORDER, message="k:")
+
+
+@pytest.mark.parametrize("wrong", ["pool", "first", "whole", "slots"])
+def test_each_gather_mistake_fails_the_hidden_cases_of_every_seed(wrong):
+    options = {"pool": dict(order="pool"), "first": dict(order="first"),
+               "whole": dict(whole=True), "slots": dict(layout="slots")}[wrong]
+
+    def mistaken(*args):
+        return gather_kv(*args, **options)
+    mistaken.__name__ = f"gather_kv_{wrong}"
+    assert_fails_on_every_seed(GATHER, mistaken)
+
+
+def test_gather_kv_may_not_call_the_package():
+    from course_attn.paged import gather_blocks
+
+    def borrowed(pool_k, pool_v, block_table, length):
+        return (gather_blocks(pool_k, block_table[None])[0, :, :length],
+                gather_blocks(pool_v, block_table[None])[0, :, :length])
+    assert_banned(GATHER, borrowed, "course_attn")
+
+
+# --- run_requests --------------------------------------------------------------------------------
+
+SHARED = "a shared prefix, its first holder freed: bs=2"
+NO_SHARING = "no sharing: two requests, the first freed, a third takes its blocks; bs=4"
+
+
+def test_the_given_function_fails_with_the_bugs_hint_and_is_the_declared_one():
+    from course_attn.grading.ch12 import given_run_requests
+    given = notebook_function("exercises", "ch12-run_requests-given", "given_run_requests")
+    for case in get(REQUESTS).public_cases() + hidden_cases(REQUESTS, 0):
+        assert given(*case.args) == given_run_requests(*case.args), case.name
+    assert_fails(REQUESTS, given, SHARED, hint="without looking at its reference count")
+    # the symptom the cell prints: a block in two live tables
+    counts, tables = given(8, 2, [("new", "a", 5), ("fork", "b", "a", 4), ("free", "a"),
+                                  ("new", "c", 3)])
+    assert set(tables["b"]) & set(tables["c"])
+
+
+def test_run_requests_half_repairs_are_named():
+    assert_fails(REQUESTS, wrong_repair("leak"), NO_SHARING,
+                 hint="never goes back to the free list")
+    assert_fails(REQUESTS, wrong_repair("skip"), SHARED,
+                 hint="skip a shared block")
+
+
+def test_a_repair_wrong_in_no_declared_way_gets_no_hint():
+    def lifo_reversed(num_blocks, block_size, ops):
+        counts, tables = run_requests(num_blocks, block_size, ops)
+        return counts, {rid: blocks[::-1] for rid, blocks in tables.items()}
+    assert_fails_unnamed(REQUESTS, lifo_reversed, SHARED, message="holds other blocks")
+
+
+@pytest.mark.parametrize("on_free", sorted(WRONG_REPAIRS))
+def test_each_wrong_repair_fails_the_hidden_cases_of_every_seed(on_free):
+    assert_fails_on_every_seed(REQUESTS, wrong_repair(on_free))
+
+
+def test_the_reference_counts_are_the_tables_holding_each_block_on_every_seed():
+    """An independent property of the package's bookkeeping: each block's count is the number
+    of live tables that hold it, and no table holds a free block."""
+    for seed in range(100):
+        for case in hidden_cases(REQUESTS, seed):
+            counts, tables = get(REQUESTS).reference(*case.args)
+            held = [sum(blocks.count(b) for blocks in tables.values())
+                    for b in range(len(counts))]
+            assert counts == held, (seed, case.name)
+
+
+def test_run_requests_may_not_call_the_package():
+    def borrowed(num_blocks, block_size, ops):
+        from course_attn.grading.ch12 import run_requests_reference
+        return run_requests_reference(num_blocks, block_size, ops)
+    assert_banned(REQUESTS, borrowed, "course_attn")
+
+
+# --- paged_memory --------------------------------------------------------------------------------
+
+FIRST = "(lengths=[10, 3, 16], block_size=8, max_len=24)"
+
+
+def test_the_memory_counts_are_the_package_pools_on_public_and_hidden_sizes():
+    """Each sequence reserved on the package's pool: the blocks in use and their empty slots
+    are the reference's; the contiguous cache's empty slots are counted slot by slot."""
+    sizes = [c.kwargs for c in get(MEMORY).public_cases()]
+    sizes += [c.kwargs for seed in range(20) for c in hidden_cases(MEMORY, seed)]
+    for size in sizes:
+        lengths, bs, max_len = size["lengths"], size["block_size"], size["max_len"]
+        pool = PagedKVCache(1, sum(lengths), bs, 1, 1)
+        for n in lengths:
+            pool.new_table().reserve(n)
+        reserved = torch.zeros(len(lengths), max_len, dtype=torch.bool)
+        for i, n in enumerate(lengths):
+            reserved[i, :n] = True
+        expected = get(MEMORY).reference(**size)
+        assert expected == {"blocks": pool.num_used,
+                            "paged_empty": pool.num_used * bs - sum(lengths),
+                            "contiguous_empty": int((~reserved).sum())}, size
+
+
+def test_paged_memory_mistakes():
+    assert_fails(MEMORY, lambda *a, **k: paged_memory(*a, **k, blocks_of="floor"),
+                 "(a) the blocks the paged cache holds " + FIRST, hint="only the blocks")
+    assert_fails(MEMORY, lambda *a, **k: paged_memory(*a, **k, blocks_of="plus_one"),
+                 "(a) the blocks the paged cache holds " + FIRST, hint="one block more")
+    assert_fails(MEMORY, lambda *a, **k: paged_memory(*a, **k, blocks_of="pooled"),
+                 "(b) the slots of those blocks that hold no token " + FIRST,
+                 hint="packed the tokens")
+    assert_fails(MEMORY, lambda *a, **k: paged_memory(*a, **k, contiguous="longest"),
+                 "(c) the slots a contiguous cache reserves that hold no token " + FIRST,
+                 hint="longest sequence present")
+
+
+@pytest.mark.parametrize("wrong", [dict(blocks_of="floor"), dict(blocks_of="plus_one"),
+                                   dict(blocks_of="pooled"), dict(contiguous="longest")])
+def test_each_memory_mistake_fails_the_hidden_cases_of_every_seed(wrong):
+    def mistaken(*args, **kwargs):
+        return paged_memory(*args, **kwargs, **wrong)
+    mistaken.__name__ = f"paged_memory_{wrong}"
+    assert_fails_on_every_seed(MEMORY, mistaken)
+
+
+def test_a_memory_answer_is_told_too_large_never_the_number():
+    def one_more(*args, **kwargs):
+        answer = paged_memory(*args, **kwargs)
+        return {**answer, "contiguous_empty": answer["contiguous_empty"] + 1}
+    assert_fails_unnamed(MEMORY, one_more,
+                         "(c) the slots a contiguous cache reserves that hold no token " + FIRST,
+                         message="too large")
