@@ -22,6 +22,7 @@ from check_support import (assert_banned, assert_fails, assert_fails_on_every_se
 from helpers import ROOT
 
 GATHER, REQUESTS, MEMORY = "ch12.gather_kv", "ch12.run_requests", "ch12.paged_memory"
+COSTS = "ch12.serving_costs"
 load_hidden(ROOT / "solutions")
 
 
@@ -105,8 +106,22 @@ def paged_memory(lengths, block_size, max_len, *, blocks_of="ceil", contiguous="
             "contiguous_empty": len(lengths) * reserved - sum(lengths)}
 
 
+def notebook_serving_costs():
+    """The notebook's serving_costs, with the given cell's serving_engine beside it."""
+    nb = nbformat.read(ROOT / "solutions" / "12_serving.ipynb", as_version=4)
+    namespace = {"math": math, "torch": torch}
+    for grade_id in ("ch12-serving_costs-given", "ch12-serving_costs-solution"):
+        (cell,) = [c for c in nb.cells
+                   if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id]
+        exec(cell.source, namespace)
+    return namespace["serving_costs"], namespace["serving_engine"]
+
+
+serving_costs, serving_engine = notebook_serving_costs()
+
+
 @pytest.mark.parametrize("key, fn", [(GATHER, gather_kv), (REQUESTS, run_requests),
-                                     (MEMORY, paged_memory)])
+                                     (MEMORY, paged_memory), (COSTS, serving_costs)])
 def test_the_notebooks_solutions_pass_with_the_watch_on(key, fn):
     for cases in [None] + [hidden_cases(key, seed) for seed in range(5)]:
         judgement = run_exercise(get(key), fn, cases)
@@ -284,3 +299,108 @@ def test_a_memory_answer_is_told_too_large_never_the_number():
     assert_fails_unnamed(MEMORY, one_more,
                          "(c) the slots a contiguous cache reserves that hold no token " + FIRST,
                          message="too large")
+
+
+# --- serving_costs -------------------------------------------------------------------------------
+
+WAITING = "at most 2 running, nothing preempted: bs=4, 32 blocks, 5 requests"
+TIGHT = "a pool of 7 blocks for 4 requests, one preempted twice: bs=2"
+COMMON = "a common prefix of 9 tokens, sharing on: bs=4, 40 blocks, at most 3 running"
+
+
+def wrong_costs(mistake):
+    """serving_costs with one typical mistake, as a student writes it: it runs the given
+    engine and reads its records, but one count the wrong way."""
+    def costs(settings, prompts, max_new_tokens):
+        engine = serving_engine(**settings)
+        engine.generate(prompts, max_new_tokens)
+        steps = engine.steps
+        limits = (max_new_tokens if isinstance(max_new_tokens, list)
+                  else [max_new_tokens] * len(prompts))
+        preempted = [r for step in steps for r in step.preempted]
+        answer = {"steps": len(steps), "peak_blocks": max(s.blocks_used for s in steps),
+                  "preemptions": len(preempted), "fed_tokens": sum(s.fed_tokens for s in steps)}
+        bs = settings["block_size"]
+        answer.update({
+            "longest": {"steps": max(limits)},
+            "after": {"peak_blocks": steps[-1].blocks_used},
+            "pool": {"peak_blocks": engine.pool.num_blocks},
+            "needs": {"peak_blocks": sum(math.ceil((len(p) + n - 1) / bs)
+                                         for p, n in zip(prompts, limits))},
+            "distinct": {"preemptions": len(set(preempted))},
+            "per_request": {"fed_tokens": sum(len(s.running) for s in steps)},
+            "once": {"fed_tokens": sum(len(p) + n - 1 for p, n in zip(prompts, limits))},
+        }[mistake])
+        return answer
+    costs.__name__ = f"serving_costs_{mistake}"
+    return costs
+
+
+COSTS_MISTAKES = {"longest": ("(a) the engine's steps", WAITING, "the request that asks"),
+                  "after": ("(b) the most blocks in use at once", WAITING, "after the last"),
+                  "pool": ("(b) the most blocks in use at once", WAITING, "the pool's size"),
+                  "needs": ("(b) the most blocks in use at once", WAITING, "added up"),
+                  "distinct": ("(c) the preemptions", TIGHT, "each once"),
+                  "per_request": ("(d) the tokens fed to the model", WAITING, "one token"),
+                  "once": ("(d) the tokens fed to the model", TIGHT, "as if nothing")}
+
+
+def test_the_costs_are_the_engines_own_counts_on_public_and_hidden_workloads():
+    """Independent of the records: the steps are the forwards the engine ran, the tokens fed
+    those its forwards took; the peak is a count of the pool's blocks; and every request's
+    tokens are those of generate alone, so the workload ran as the chapter says."""
+    from course_attn.grading.ch12 import serving_costs_reference
+    from course_attn.model import generate
+    workloads = {repr(c.kwargs): c.kwargs for c in get(COSTS).public_cases()}
+    workloads |= {repr(c.kwargs): c.kwargs for seed in range(3)
+                  for c in hidden_cases(COSTS, seed)}
+    for kwargs in workloads.values():
+        engine = serving_engine(**kwargs["settings"])
+        forwards, embedded = 0, 0
+        forward = engine._forward
+
+        def watched(running):
+            nonlocal forwards, embedded
+            forwards += 1
+            embedded += sum(r.new for r in running)
+            return forward(running)
+        engine._forward = watched
+        served_tokens = engine.generate(kwargs["prompts"], kwargs["max_new_tokens"])
+        expected = serving_costs_reference(**kwargs)
+        assert expected["steps"] == forwards and expected["fed_tokens"] == embedded, kwargs
+        assert 0 < expected["peak_blocks"] <= kwargs["settings"]["num_blocks"], kwargs
+        limits = kwargs["max_new_tokens"]
+        limits = limits if isinstance(limits, list) else [limits] * len(kwargs["prompts"])
+        model = engine.model
+        for prompt, n, tokens in zip(kwargs["prompts"], limits, served_tokens):
+            alone = generate(model, torch.tensor([prompt]), n, temperature=0)[0, len(prompt):]
+            assert tokens == alone.tolist()
+
+
+@pytest.mark.parametrize("mistake", sorted(COSTS_MISTAKES))
+def test_serving_costs_mistakes(mistake):
+    question, workload, hint = COSTS_MISTAKES[mistake]
+    assert_fails(COSTS, wrong_costs(mistake), f"{question} ({workload})", hint=hint)
+
+
+def test_a_count_wrong_in_no_declared_way_gets_no_hint():
+    def one_step_more(*args, **kwargs):
+        answer = serving_costs(*args, **kwargs)
+        return {**answer, "steps": answer["steps"] + 1}
+    assert_fails_unnamed(COSTS, one_step_more, f"(a) the engine's steps ({WAITING})",
+                         message="too large")
+
+
+@pytest.mark.parametrize("index", range(len(COSTS_MISTAKES)))
+def test_each_costs_mistake_fails_the_hidden_cases_of_every_seed(index):
+    # the declared mistakes (the student's versions above give their answers on the public
+    # workloads), which read the records the reference keeps: a hundred seeds in seconds
+    assert_fails_on_every_seed(COSTS, get(COSTS).mistakes[index].fn)
+
+
+def test_serving_costs_may_not_call_the_reference():
+    from course_attn.grading.ch12 import serving_costs_reference
+
+    def borrowed(settings, prompts, max_new_tokens):
+        return serving_costs_reference(settings, prompts, max_new_tokens)
+    assert_banned(COSTS, borrowed, "course_attn")

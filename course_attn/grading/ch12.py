@@ -9,19 +9,26 @@
     ch12.paged_memory   paged_memory(lengths, block_size, max_len) -> dict: the blocks a paged
                         cache holds for sequences of these lengths, and the slots that hold no
                         token, paged and contiguous (derive, on sizes drawn at grading time)
+    ch12.serving_costs  serving_costs(settings, prompts, max_new_tokens) -> dict: the steps, the
+                        most blocks in use, the preemptions and the tokens fed when the given
+                        engine serves a workload (measure, on workloads drawn at grading time)
 
-Tasks: gather_kv implements; run_requests debugs; paged_memory derives.
+Tasks: gather_kv implements; run_requests debugs; paged_memory derives; serving_costs measures.
 
 References: ``course_attn.paged.gather_blocks`` cut at the length; the package's
 ``PagedKVCache`` and ``BlockTable`` run on the same operations; the counts computed from
-ceil(L / bs) per sequence.
+ceil(L / bs) per sequence; the records (``engine.steps``) of the same engine on the same
+workload (serving_costs).
 """
 
+import functools
 import math
 
 import torch
 
+from ..model import GPT, GPTConfig
 from ..paged import PagedKVCache, gather_blocks
+from ..serve import Engine
 from .cases import count_questions, expect_tensors, randn
 from .exercise import Case, Exercise, Mistake, register
 from .operations import NONE
@@ -374,5 +381,169 @@ register(Exercise(
         Mistake("you sized the contiguous buffers by the longest sequence present: they are "
                 "reserved before anyone knows how long a sequence grows",
                 _memory_with(contiguous_len=lambda lengths, bs: max(lengths))),
+    ),
+))
+
+
+# --- ch12.serving_costs: measure what an engine spends on a workload ------------------------------
+
+# The notebook gives ``serving_engine`` in a locked cell, as here: an Engine on a tiny GPT. What
+# the exercise asks for (steps, blocks, preemptions, tokens fed) depends on the lengths of the
+# prompts and answers, the pool and the settings, never on the weights; the prompts of a case
+# that shares prefixes part within the prompts, so what is shared does not depend on the
+# generated tokens either.
+
+
+def serving_engine(block_size, num_blocks, max_batch=None, share_prefixes=True):
+    """An ``Engine`` on a tiny GPT (one layer, 32 tokens, 64 positions), weights seeded."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, seq_len=64, d_model=16, n_heads=2, n_layers=1)).eval()
+    return Engine(model, block_size=block_size, num_blocks=num_blocks, max_batch=max_batch,
+                  share_prefixes=share_prefixes)
+
+
+def _key(settings, prompts, max_new_tokens):
+    return (tuple(sorted(settings.items())), tuple(map(tuple, prompts)),
+            tuple(max_new_tokens) if isinstance(max_new_tokens, list) else max_new_tokens)
+
+
+@functools.lru_cache(maxsize=512)
+def _served(key):
+    """The records of serving a workload (``_key``'s), read from ``engine.steps``."""
+    settings, prompts, limits = key
+    engine = serving_engine(**dict(settings))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # a tiny model: one thread is many times faster than two
+    try:
+        engine.generate([list(p) for p in prompts], list(limits) if isinstance(limits, tuple)
+                        else limits)
+    finally:
+        torch.set_num_threads(threads)
+    return tuple((step.blocks_used, step.fed_tokens, step.shared_tokens, len(step.running),
+                  tuple(step.preempted)) for step in engine.steps)
+
+
+def served(settings, prompts, max_new_tokens) -> dict:
+    """What serving ``prompts`` on ``serving_engine(**settings)`` did, with more than the
+    exercise asks (the regimes and the mistakes read the rest)."""
+    steps = _served(_key(settings, prompts, max_new_tokens))
+    # Summed with torch, here, on every call, cached or not: the engine's own functions are
+    # allowed to the student, so a submission that calls this would run no operation of the
+    # package's outside them; these operations are the guard's sign of it.
+    blocks, fed, shared, running = torch.tensor([step[:4] for step in steps]).unbind(1)
+    preempted = [i for step in steps for i in step[4]]
+    return {"steps": len(steps), "peak_blocks": int(blocks.max()),
+            "preemptions": len(preempted), "fed_tokens": int(fed.sum()),
+            "requests_preempted": len(set(preempted)), "shared_tokens": int(shared.sum()),
+            "request_steps": int(running.sum())}
+
+
+COSTS_QUESTIONS = {
+    "steps": ("(a) the engine's steps", "count the forwards the engine ran"),
+    "peak_blocks": ("(b) the most blocks in use at once",
+                    "what the pool holds changes from step to step"),
+    "preemptions": ("(c) the preemptions", "a preempted request waits and may be preempted "
+                                            "again"),
+    "fed_tokens": ("(d) the tokens fed to the model",
+                   "a step feeds a prefill's whole prompt, and one token of each request "
+                   "decoding"),
+}
+COSTS_KEYS = ("steps", "peak_blocks", "preemptions", "fed_tokens")
+COSTS = count_questions(COSTS_QUESTIONS, rel_tol=0)
+
+
+def serving_costs_reference(settings, prompts, max_new_tokens):
+    """The steps ``serving_engine(**settings)`` runs to serve ``prompts`` (``max_new_tokens``
+    each, or one limit per request), the most blocks in use after any step, the preemptions
+    (a request preempted twice counts twice) and the tokens fed (prefills, recomputations and
+    decodes), read from the engine's records of each step."""
+    record = served(settings, prompts, max_new_tokens)
+    return {key: record[key] for key in COSTS_KEYS}
+
+
+def costs_cases(label, settings, prompts, max_new_tokens, hint=""):
+    """One case per question for one workload, named by ``label`` (the questions' hints, or
+    ``hint`` after them)."""
+    kwargs = dict(settings=dict(settings), prompts=[list(p) for p in prompts],
+                  max_new_tokens=max_new_tokens)
+    for key, (name, question_hint) in COSTS_QUESTIONS.items():
+        yield Case(f"{name} ({label})", kwargs=kwargs, part=key,
+                   hint=question_hint + (f"; {hint}" if hint else ""))
+
+
+def _prompts(seed, lengths, prefix=0):
+    """Prompts of these lengths of tokens drawn with ``seed``; the first ``prefix`` tokens
+    common to all, the next one different in each."""
+    g = torch.Generator().manual_seed(seed) if isinstance(seed, int) else seed
+    common = torch.randint(32, (prefix,), generator=g).tolist()
+    starts = torch.randperm(32, generator=g).tolist()
+    return [common + [starts[i]] + torch.randint(32, (n - prefix - 1,), generator=g).tolist()
+            for i, n in enumerate(lengths)]
+
+
+PUBLIC_WORKLOADS = (
+    ("at most 2 running, nothing preempted: bs=4, 32 blocks, 5 requests",
+     dict(block_size=4, num_blocks=32, max_batch=2, share_prefixes=False),
+     _prompts(1220, [5, 9, 3, 12, 7]), [6, 3, 10, 4, 8]),
+    ("a pool of 7 blocks for 4 requests, one preempted twice: bs=2",
+     dict(block_size=2, num_blocks=7, share_prefixes=False),
+     _prompts(1221, [3, 2, 4, 5]), [6, 9, 11, 4]),
+    ("a common prefix of 9 tokens, sharing on: bs=4, 40 blocks, at most 3 running",
+     dict(block_size=4, num_blocks=40, max_batch=3, share_prefixes=True),
+     _prompts(1222, [12, 14, 11, 13], prefix=9), 5),
+)
+
+
+def _costs_cases():
+    for workload in PUBLIC_WORKLOADS:
+        yield from costs_cases(*workload)
+
+
+def _costs_with(**rule):
+    """A typical wrong measurement: the reference's answers with ``rule[key](record, settings,
+    prompts, limits)`` for each key it names (limits: one per request)."""
+    def wrong(settings, prompts, max_new_tokens):
+        record = served(settings, prompts, max_new_tokens)
+        limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
+                  else [max_new_tokens] * len(prompts))
+        return {**{key: record[key] for key in COSTS_KEYS},
+                **{key: make(record, settings, prompts, limits) for key, make in rule.items()}}
+    return wrong
+
+
+def _needs(settings, prompts, limits):
+    bs = settings["block_size"]
+    return sum(-(-(len(p) + n - 1) // bs) for p, n in zip(prompts, limits))
+
+
+register(Exercise(
+    key="ch12.serving_costs", function="serving_costs", reference=serving_costs_reference,
+    task="measure",
+    cases=_costs_cases, compare=COSTS.compare,
+    banned=("course_attn",),
+    # the given cell's engine runs the package: its model, its engine, its generate
+    allowed=("course_attn.model.GPTConfig.__post_init__", "course_attn.model.GPT.__init__",
+             "course_attn.serve.Engine.__init__", "course_attn.serve.Engine.generate"),
+    mistakes=(
+        Mistake("you counted the steps of the request that asks for the most tokens: requests "
+                "that wait for a place or for blocks start later",
+                _costs_with(steps=lambda r, s, p, limits: max(limits))),
+        Mistake("you read the blocks in use after the last step: by then every request has "
+                "finished and given its blocks back", _costs_with(peak_blocks=lambda *a: 0)),
+        Mistake("you reported the pool's size: the blocks in use are what the requests hold",
+                _costs_with(peak_blocks=lambda r, s, p, limits: s["num_blocks"])),
+        Mistake("you added up the blocks every request needs at its longest: the requests do not "
+                "all hold their blocks at once",
+                _costs_with(peak_blocks=lambda r, s, p, limits: _needs(s, p, limits))),
+        Mistake("you counted the requests that were preempted, each once: a request can be "
+                "preempted more than once",
+                _costs_with(preemptions=lambda r, *a: r["requests_preempted"])),
+        Mistake("you counted one token for each request running in a step: a request admitted "
+                "in a step feeds its whole prompt",
+                _costs_with(fed_tokens=lambda r, *a: r["request_steps"])),
+        Mistake("you counted every prompt once and every new token but the last once, as if "
+                "nothing were preempted or shared: count what the engine's steps fed",
+                _costs_with(fed_tokens=lambda r, s, p, limits:
+                            sum(len(q) + n - 1 for q, n in zip(p, limits)))),
     ),
 ))

@@ -4,7 +4,8 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint
-from course_attn.grading.ch12 import MEMORY, gather_case, trace
+from course_attn.grading.ch12 import (MEMORY, PUBLIC_WORKLOADS, _prompts, costs_cases, gather_case,
+                                      served, trace)
 from course_attn.grading.exercise import Case, hidden
 
 
@@ -143,3 +144,83 @@ def _(gen):
     bs = 2 ** randint(1, 5, gen)
     every.append(sizes([randint(1, 8 * bs, gen) for _ in range(count)], bs, longest=True))
     yield from MEMORY.cases(*every)
+
+
+# ch12.serving_costs: one workload in each regime, on every seed, its sizes drawn at random and
+# drawn again until the engine's records show the regime (the public workload of the regime if
+# no draw of 40 does; the tests prove a draw does for seeds 0-99). Nothing preempted with
+# requests waiting for a place in the batch and a pool larger than its peak (the longest
+# request's steps, the pool's size and the sum of every request's blocks are wrong there); a
+# request preempted twice (counting the requests preempted, and feeding each token once, are
+# wrong there); a common prefix shared (feeding each token once is wrong there).
+def _served(rule):
+    """A regime of serving_costs: ``rule`` of what the engine's records show for the case."""
+    return lambda case: bool(rule(served(**case.kwargs), case.kwargs))
+
+
+def _limits(kwargs):
+    limits = kwargs["max_new_tokens"]
+    return limits if isinstance(limits, list) else [limits] * len(kwargs["prompts"])
+
+
+def _waited(record, kwargs):
+    needs = sum(-(-(len(p) + n - 1) // kwargs["settings"]["block_size"])
+                for p, n in zip(kwargs["prompts"], _limits(kwargs)))
+    return (record["preemptions"] == 0 and record["steps"] > max(_limits(kwargs))
+            and record["peak_blocks"] < min(kwargs["settings"]["num_blocks"], needs))
+
+
+COSTS_REGIMES = {
+    "nothing preempted, requests waiting for a place, the pool larger than its peak": _waited,
+    "a request preempted more than once":
+        lambda record, kwargs: record["preemptions"] > record["requests_preempted"],
+    "a common prefix shared": lambda record, kwargs: record["shared_tokens"] > 0,
+}
+
+
+@hidden("ch12.serving_costs", regimes={name: _served(rule) for name, rule in
+                                       COSTS_REGIMES.items()})
+def _(gen):
+    def waiting():
+        bs, n = 2 ** randint(1, 3, gen), randint(4, 6, gen)
+        lengths = [randint(2, 12, gen) for _ in range(n)]
+        limits = [randint(2, 12, gen) for _ in range(n)]
+        needs = sum(-(-(p + m - 1) // bs) for p, m in zip(lengths, limits))
+        settings = dict(block_size=bs, num_blocks=needs + randint(1, 8, gen),
+                        max_batch=randint(1, 3, gen), share_prefixes=bool(randint(0, 1, gen)))
+        return (f"at most {settings['max_batch']} running: bs={bs}, "
+                f"{settings['num_blocks']} blocks, {n} requests",
+                settings, _prompts(gen, lengths), limits)
+
+    def preempted():
+        bs, n = randint(1, 3, gen), randint(4, 5, gen)
+        lengths = [randint(2, 7, gen) for _ in range(n)]
+        limits = [randint(3, 12, gen) for _ in range(n)]
+        most = max(-(-(p + m - 1) // bs) for p, m in zip(lengths, limits))
+        settings = dict(block_size=bs, num_blocks=most + randint(0, 3, gen),
+                        share_prefixes=bool(randint(0, 1, gen)))
+        return (f"a tight pool: bs={bs}, {settings['num_blocks']} blocks, {n} requests",
+                settings, _prompts(gen, lengths), limits)
+
+    def shared():
+        bs, n = randint(2, 8, gen), randint(3, 5, gen)
+        prefix = randint(bs, 16, gen)
+        lengths = [prefix + randint(1, 6, gen) for _ in range(n)]
+        limit = randint(2, 8, gen)
+        batch = randint(2, 4, gen)
+        settings = dict(block_size=bs, num_blocks=n * -(-(prefix + 6 + limit) // bs),
+                        max_batch=batch if batch < 4 else None, share_prefixes=True)
+        return (f"a common prefix of {prefix} tokens, sharing on: bs={bs}, "
+                f"{settings['num_blocks']} blocks, {n} requests",
+                settings, _prompts(gen, lengths, prefix=prefix), limit)
+
+    for (name, rule), draw, public in zip(COSTS_REGIMES.items(), (waiting, preempted, shared),
+                                          PUBLIC_WORKLOADS):
+        for _ in range(40):
+            label, settings, prompts, limits = draw()
+            if rule(served(settings, prompts, limits),
+                    dict(settings=settings, prompts=prompts, max_new_tokens=limits)):
+                break
+        else:
+            label, settings, prompts, limits = public
+        yield from costs_cases(label, settings, prompts, limits)
