@@ -30,8 +30,8 @@ from .arguments import check_positive_ints
 from .kv_cache import KVCache
 from .model import GPT, GPTConfig, generate
 from .timing import (
-    MIB, NOT_SETTLED, check_positive_list, peak_memory_bytes, rotated, spread, synchronize,
-    time_call_ms, withheld_ratio,
+    MIB, NOT_SETTLED, check_positive_list, peak_memory_bytes, ratio_over_rounds, round_median,
+    spread, synchronize, time_call_ms, timed_rounds, withheld_ratio,
 )
 
 
@@ -158,25 +158,18 @@ def run_cache_update_bench(cached_lens: Sequence[int] = (512, 16384), *, heads: 
         runs["inplace", length], runs["cat", length] = inplace, concatenate
     for run in runs.values():
         run()                                        # warm-up
-    times = {key: [] for key in runs}
-    ratios = {key: [] for key in runs}
-    for r in range(repeats):
-        this_round = {key: time_call_ms(runs[key], device) * 1e3 / calls
-                      for key in rotated(list(runs), r)}
-        for (way, length), elapsed in this_round.items():
-            times[way, length].append(elapsed)
-            ratios[way, length].append(elapsed / this_round[way, cached_lens[0]])
+    rounds = timed_rounds(lambda key: time_call_ms(runs[key], device) * 1e3 / calls, runs,
+                          repeats)
     synchronize(device)
     rows = []
     for length in cached_lens:
         (inplace_ratio, inplace_why), (cat_ratio, cat_why) = (
-            withheld_ratio(ratios[way, length]) for way in ("inplace", "cat"))
+            ratio_over_rounds(rounds, (way, length), (way, cached_lens[0]))
+            for way in ("inplace", "cat"))
         rows.append(CacheUpdateRow(
-            length, statistics.median(times["inplace", length]),
-            statistics.median(times["cat", length]), str(device),
-            1.0 if length == cached_lens[0] else inplace_ratio,
-            1.0 if length == cached_lens[0] else cat_ratio,
-            None if length == cached_lens[0] else inplace_why or cat_why))
+            length, round_median(rounds, ("inplace", length)),
+            round_median(rounds, ("cat", length)), str(device), inplace_ratio, cat_ratio,
+            inplace_why or cat_why))
     return rows
 
 

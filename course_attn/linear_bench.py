@@ -17,7 +17,6 @@ Two measurements (chapter 10), each in one run on one machine, with ``timing``'s
 
 import dataclasses
 import math
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +29,8 @@ from .device import default_device
 from .linear import FEATURE_MAPS, linear_attention, linear_attention_state, linear_attention_step
 from .timing import (
     BASELINE, DTYPES, MAX_WARMUP, MIB, NOT_SETTLED, BenchRow, check_device, check_sizes,
-    format_table, free_cached, measure, rotated, rows_at, time_call_ms, warm_up, withheld_ratio,
+    format_table, free_cached, measure, ratio_over_rounds, round_median, rows_at, time_call_ms,
+    timed_rounds, warm_up,
 )
 
 LINEAR = "linear"
@@ -182,19 +182,12 @@ def run_step_bench(
         return time_call_ms(runs[key], device)
 
     warm_up({key: (lambda key=key: timed(key)) for key in runs}, max_calls=max_warmup)
-    times = {key: [] for key in runs}
-    ratios = {length: [] for length in seq_lens}       # linear at L over linear at the first L
-    for r in range(repeats):
-        this_round = {key: timed(key) * 1e3 / calls for key in rotated(list(runs), r)}
-        for key, elapsed in this_round.items():
-            times[key].append(elapsed)
-        for length in seq_lens:
-            ratios[length].append(this_round[LINEAR, length] / this_round[LINEAR, seq_lens[0]])
+    rounds = timed_rounds(lambda key: timed(key) * 1e3 / calls, runs, repeats)
     rows = []
     for length in seq_lens:
-        ratio, why = (1.0, None) if length == seq_lens[0] else withheld_ratio(ratios[length])
-        rows.append(StepRow(length, statistics.median(times[LINEAR, length]),
-                            statistics.median(times[BASELINE, length]), ratio, *sizes[length],
+        ratio, why = ratio_over_rounds(rounds, (LINEAR, length), (LINEAR, seq_lens[0]))
+        rows.append(StepRow(length, round_median(rounds, (LINEAR, length)),
+                            round_median(rounds, (BASELINE, length)), ratio, *sizes[length],
                             batch, heads, head_dim, str(dtype).removeprefix("torch."),
                             feature_map, str(device), calls, repeats, why))
     return rows

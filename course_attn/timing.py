@@ -460,6 +460,25 @@ def withheld_ratio(ratios: Sequence[float] | None) -> tuple[float | None, str | 
     return statistics.median(ratios), None
 
 
+def timed_rounds(time_of: Callable[[object], float], keys: Sequence, repeats: int) -> list[dict]:
+    """``repeats`` rounds, each timing every key once (``time_of(key)``), in an order that rotates
+    from round to round -> one {key: time} per round."""
+    return [{key: time_of(key) for key in rotated(list(keys), r)} for r in range(repeats)]
+
+
+def round_median(rounds: Sequence[dict], key) -> float:
+    """The median over ``timed_rounds``' rounds of ``key``'s time."""
+    return statistics.median(r[key] for r in rounds)
+
+
+def ratio_over_rounds(rounds: Sequence[dict], key, reference) -> tuple[float | None, str | None]:
+    """``key``'s time over ``reference``'s in the same round, reported as ``withheld_ratio``
+    reports it (the median over rounds, or None and why); 1.0 when ``key`` is ``reference``."""
+    if key == reference:
+        return 1.0, None
+    return withheld_ratio([r[key] / r[reference] for r in rounds])
+
+
 def rows_at(seq_len: int, results: dict, **common) -> list[BenchRow]:
     """``measure``'s results at one T as ``BenchRow``s, in their order, with ratios to the
     ``BASELINE`` row: the median of the per-round ratios, withheld unless the rounds agree (the
