@@ -23,7 +23,7 @@
 rope_angles, apply_rope and pairing_permutation are warm-ups (the chapter shows them).
 
 References: ``course_attn.rope_frequencies`` and ``course_attn.apply_rotary_emb``; the
-predictions computed with them.
+predictions computed with them; ``course_attn.checkpoints.interleave_rows`` (hf_to_meta_rows).
 """
 
 import functools
@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from ..checkpoints import interleave_rows
 from ..rope import apply_rotary_emb
 from .cases import Questions, answers_changed, as_number, expect_close_tensor, expect_tensor, randn
 from .exercise import Case, Exercise, Mistake, register
@@ -226,10 +227,9 @@ register(Exercise(
 def hf_to_meta_rows_reference(w, n_heads):
     """w (H·D, C), the rows of W_Q or W_K in Hugging Face's half-split layout -> the same rows
     in Meta's interleaved layout: in each head's block of D rows, row i goes to 2i and row
-    i + D/2 to 2i + 1 (what the chapter's conversion undoes; llama.cpp's converter does it)."""
-    rows, c = w.shape
-    d = rows // n_heads
-    return w.reshape(n_heads, 2, d // 2, c).transpose(1, 2).reshape(rows, c)
+    i + D/2 to 2i + 1 (what the chapter's conversion undoes; llama.cpp's converter does it, and
+    so does ``load_pretrained(..., rope_layout="interleaved")``)."""
+    return interleave_rows(w, n_heads)
 
 
 def _meta_to_hf_rows(w, n_heads):
