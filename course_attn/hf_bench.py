@@ -18,7 +18,6 @@ the size the issue asks the ratio for.
 """
 
 import argparse
-import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .arguments import check_positive_ints
-from .timing import DTYPES, MAX_WARMUP, hardware, measure, rounds_agree, spread
+from .timing import DTYPES, MAX_WARMUP, hardware, measure, spread, withheld_ratio
 
 PROG = "python -m course_attn.bench --hf"
 COURSE, TRANSFORMERS = "course", "transformers"
@@ -106,7 +105,7 @@ def run_hf_bench(folder, *, new_tokens: int = 256, prompt_len: int = 16, batch: 
         "clock": results[COURSE].clock,
         "tokens_per_s": {name: tokens / (results[name].time_ms / 1000) for name in results},
         "round_speedups": speedups,
-        "speedup": statistics.median(speedups) if rounds_agree(speedups) else None,
+        "speedup": withheld_ratio(speedups)[0],
         "speedup_spread": spread(speedups), "same_tokens": same,
         "hardware": hardware("cpu"),
     }
