@@ -10,11 +10,6 @@ of the shared tree) and imports the mutated module. The chapter must stop at an 
 AssertionError in one of its own cells, never an error of the injected cell or an import error.
 Which cell caught the bug is printed (``-s``); cell numbers are indices into the stored chapter.
 
-A bug that its chapter does not catch yet is an ``xfail(strict=True, raises=ChapterMissedTheBug)``
-whose reason names the cell that should catch it, and its injected cell first asserts that the
-bug changes what the package returns: when the chapter learns to catch it, the test passes and
-strict xfail turns that into a failure, a reminder to drop the mark.
-
 A control runs each chapter, unmutated, through the same harness up to the last cell at which a
 bug of that chapter was caught: those cells pass with the copy as it is, so a failure under a bug
 is the bug's doing.
@@ -39,25 +34,16 @@ BOOK = ROOT / "book"
 CELL_TIMEOUT = yaml.safe_load((ROOT / "_config.yml").read_text())["execute"]["timeout"]
 
 
-class ChapterMissedTheBug(AssertionError):
-    """The chapter ran to its end with the bug in the package."""
-
-
 @dataclass(frozen=True)
 class Bug:
     """``old`` -> ``new`` in ``course_attn/<module>``; ``chapter`` is the notebook that teaches
-    the idea (book/<chapter>.ipynb) and must fail. ``missed``: why that chapter does not catch it
-    yet, and which cell should (None when it does); then ``live`` is code that asserts the bug
-    changes what the package returns (run before the chapter), so that the chapter's silence is
-    not that of a bug in dead code."""
+    the idea (book/<chapter>.ipynb) and must fail."""
 
     id: str
     chapter: str
     module: str
     old: str
     new: str
-    missed: str | None = None
-    live: str = ""
 
 
 BUGS = [
@@ -149,9 +135,8 @@ def mutated_copy(bug: Bug | None, folder: Path) -> Path:
     return folder
 
 
-def guard_cell(package_root: Path, module: str, live: str = "") -> nbformat.NotebookNode:
-    """The injected first cell: the kernel imported the copy, the mutated module imports, and
-    ``live`` (a bug's check that it changes behaviour) passes."""
+def guard_cell(package_root: Path, module: str) -> nbformat.NotebookNode:
+    """The injected first cell: the kernel imported the copy, and the mutated module imports."""
     expected = str((package_root / "course_attn").resolve())
     return nbformat.v4.new_code_cell(textwrap.dedent(f"""\
         import importlib, pathlib
@@ -160,7 +145,7 @@ def guard_cell(package_root: Path, module: str, live: str = "") -> nbformat.Note
         _where = str(pathlib.Path(course_attn.__file__).resolve().parent)
         assert _where == {expected!r}, f"the kernel imported course_attn from {{_where}}"
         importlib.import_module("course_attn.{module.removesuffix('.py')}")
-        """) + live)
+        """))
 
 
 @dataclass
@@ -175,14 +160,14 @@ class Run:
 
 
 def run_chapter(chapter: str, package_root: Path, module: str, *, stop_after: int | None = None,
-                on_path: bool = True, live: str = "") -> Run:
+                on_path: bool = True) -> Run:
     """Executes book/<chapter>.ipynb (its first ``stop_after + 1`` cells, when given) as the book
     is built, after the guard cell, in a kernel that imports course_attn from ``package_root``
     (put first on PYTHONPATH unless ``on_path`` is False: the guard's own test)."""
     nb = nbformat.read(BOOK / f"{chapter}.ipynb", as_version=4)
     if stop_after is not None:
         nb.cells = nb.cells[:stop_after + 1]
-    nb.cells.insert(0, guard_cell(package_root, module, live))
+    nb.cells.insert(0, guard_cell(package_root, module))
     first = [str(package_root)] if on_path else []
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [*first, os.environ.get("PYTHONPATH")]))}
@@ -214,23 +199,15 @@ def test_the_guard_fails_when_the_kernel_imports_the_shared_tree(tmp_path):
 CAUGHT_AT: dict[str, list[int]] = {}
 
 
-def bug_param(bug: Bug):
-    assert not bug.missed or bug.live, f"{bug.id}: a bug no chapter catches needs a live check"
-    marks = ([pytest.mark.xfail(strict=True, raises=ChapterMissedTheBug, reason=bug.missed)]
-             if bug.missed else [])
-    return pytest.param(bug, id=bug.id, marks=marks)
-
-
-@pytest.mark.parametrize("bug", [bug_param(b) for b in BUGS])
+@pytest.mark.parametrize("bug", BUGS, ids=[bug.id for bug in BUGS])
 def test_the_chapter_catches_the_bug(bug, tmp_path):
-    run = run_chapter(bug.chapter, mutated_copy(bug, tmp_path), bug.module, live=bug.live)
+    run = run_chapter(bug.chapter, mutated_copy(bug, tmp_path), bug.module)
     print(f"{bug.id}: book/{bug.chapter} stopped at cell {run.cell} "
           f"({run.ename}) after {run.seconds:.0f} s")
-    assert run.cell != -1, (f"{bug.id}: the guard cell (or the live check) failed, not the "
-                            f"chapter: {run.ename}: {run.evalue}")
-    if run.cell is None:
-        raise ChapterMissedTheBug(f"book/{bug.chapter} ran to its end with the bug {bug.id} "
-                                  f"in course_attn/{bug.module}")
+    assert run.cell != -1, (f"{bug.id}: the guard cell failed, not the chapter: {run.ename}: "
+                            f"{run.evalue}")
+    assert run.cell is not None, (f"book/{bug.chapter} ran to its end with the bug {bug.id} in "
+                                  f"course_attn/{bug.module}")
     assert run.ename == "AssertionError", (
         f"{bug.id}: book/{bug.chapter} cell {run.cell} raised {run.ename}: {run.evalue}; a "
         "chapter catches a bug with an assert, not with an error of the code around it")
