@@ -216,12 +216,12 @@ def _norm(config: CheckpointConfig) -> nn.Module:
 
 class PretrainedBlock(Block):
     """``model.Block`` (pre-norm attention, then pre-norm MLP, each added to x) with the norms,
-    attention options and MLP of a checkpoint's architecture; ``layer`` counts from 0."""
+    attention options and MLP of a checkpoint's architecture; ``layer`` counts from 0;
+    ``rotary``: the model's one RoPE table (None without RoPE), which every layer reads."""
 
     def __init__(self, config: CheckpointConfig, layer: int, *, backend: str,
-                 rope_layout: str):
+                 rope_layout: str, rotary: RotaryEmbedding | None):
         nn.Module.__init__(self)          # Block.__init__ builds from a GPTConfig
-        rope = config.position == "rope"
         scale = None                      # 1/sqrt(D)
         if config.scale_by_layer or not config.scale_by_sqrt_d:
             scale = ((config.head_dim ** -0.5 if config.scale_by_sqrt_d else 1.0)
@@ -229,15 +229,12 @@ class PretrainedBlock(Block):
         self.attn_norm = _norm(config)
         self.attn = MultiHeadAttention(
             config.d_model, config.n_heads, n_kv_heads=config.n_kv_heads,
-            head_dim=config.head_dim, bias=config.attention_bias, backend=backend, rope=rope,
-            rope_base=config.rope_base, max_seq_len=min(config.seq_len, ROPE_TABLE),
+            head_dim=config.head_dim, bias=config.attention_bias, backend=backend,
             rope_interleaved=rope_layout == "interleaved", qk_norm=config.qk_norm,
             window=config.window, scale=scale)
+        self.attn.rotary = rotary         # shared: built once by the model, not once a layer
         if config.qk_norm:
             self.attn.q_norm.eps = self.attn.k_norm.eps = config.norm_eps
-        if config.rope_scaling:
-            self.attn.rotary = RotaryEmbedding(config.head_dim, min(config.seq_len, ROPE_TABLE),
-                                               config.rope_base, scaling=dict(config.rope_scaling))
         self.mlp_norm = _norm(config)
         if config.gelu_approximate is None:
             self.mlp = SwiGLU(config.d_model, config.mlp_hidden, bias=config.mlp_bias)
@@ -259,12 +256,14 @@ class PretrainedGPT(GPT):
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.position_embedding = (nn.Embedding(config.seq_len, config.d_model)
                                    if config.position == "learned" else None)
+        rotary = None                     # one table of cos and sin for every layer
+        if config.position == "rope":
+            scaling = dict(config.rope_scaling) if config.rope_scaling else None
+            rotary = RotaryEmbedding(config.head_dim, min(config.seq_len, ROPE_TABLE),
+                                     config.rope_base, scaling=scaling)
         self.blocks = nn.ModuleList(
-            PretrainedBlock(config, i, backend=backend, rope_layout=rope_layout)
+            PretrainedBlock(config, i, backend=backend, rope_layout=rope_layout, rotary=rotary)
             for i in range(config.n_layers))
-        if config.position == "rope":     # one table of cos and sin for every layer
-            for block in self.blocks[1:]:
-                block.attn.rotary = self.blocks[0].attn.rotary
         self.final_norm = _norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
