@@ -75,3 +75,31 @@ def test_every_seed_draws_every_regime_and_an_answer_wrong_in_one_regime_fails(k
                                                hidden=True).passed
             assert any(caught[i] for i in chosen), \
                 f"{key}: an answer wrong in the regime {name!r} passes seed {seed}"
+
+
+# --- no credit for a non-answer (issue 42) -------------------------------------------------------
+
+NON_ANSWER_SEEDS = range(3)
+
+
+def _not_implemented(*args, **kwargs):
+    raise NotImplementedError()
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_the_given_code_unchanged_and_a_constant_answer_score_0(key):
+    """A debug exercise's given function handed in unchanged (any other exercise's given stub)
+    earns nothing, and so does an answer that ignores its input: the reference's answer to the
+    first public case, returned whatever the input (for a value exercise there is no input)."""
+    from course_attn.grading.check import grade_here
+    exercise = EXERCISES[key]
+    if exercise.kind == "value":
+        pytest.skip("a value exercise answers one question: no input to ignore")
+    first = exercise.expected(exercise.public_cases()[0])
+
+    def constant(*args, **kwargs):
+        return first
+    for seed in NON_ANSWER_SEEDS:
+        for answer in (exercise.given or _not_implemented, constant):
+            judgement = grade_here(exercise, answer, seed, watch_banned=False)
+            assert judgement.credit() == 0, (key, seed, answer.__name__, judgement.reason())

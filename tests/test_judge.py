@@ -227,3 +227,53 @@ def test_an_error_that_says_what_the_student_did_gets_its_own_hint_not_the_cases
     for result in raised:
         assert result.hint.startswith("your .view met a tensor whose memory is not laid out"), \
             (result.name, result.hint)
+
+
+def test_a_table_of_the_public_answers_earns_nothing():
+    """Issue 41: a table of the public answers earned 0.43/3 on ch01.softmax_list ("1 of 7
+    regimes right") while failing every hidden case. A regime counts only where hidden cases
+    test it, and an answer that fails every hidden case earns nothing."""
+    from helpers import SOLUTIONS_DIR
+
+    from course_attn.grading.check import grade_here
+    from course_attn.grading.exercise import load_hidden
+    from course_attn.grading.judge import fingerprint
+    load_hidden(SOLUTIONS_DIR)
+    exercise = get("ch01.softmax_list")
+    table = {fingerprint(list(case.args)): exercise.expected(case)
+             for case in exercise.public_cases()}
+
+    def softmax_list(*args):
+        return table.get(fingerprint(list(args)), [2.0] * len(args[0]))  # never a softmax
+    for seed in range(5):
+        judgement = grade_here(exercise, softmax_list, seed, watch_banned=False)
+        assert all(r.passed for r in judgement.results if not r.hidden)
+        assert judgement.credit() == 0, seed
+        assert judgement.reason().startswith("earns nothing: it fails every hidden case; ")
+
+
+def test_an_answer_that_fails_a_central_regime_earns_nothing():
+    """A regime declared central (the point of the exercise) failed: 0, however many other
+    regimes the answer gets right; the same answer earns its share where nothing is central."""
+    from helpers import SOLUTIONS_DIR
+
+    from course_attn.grading import exercise as registry
+    from course_attn.grading.exercise import hidden_cases, load_hidden
+    load_hidden(SOLUTIONS_DIR)
+    exercise = get("ch03.causal_mask")
+
+    def past_three(tq, tk):   # wrong only where Tq > Tk + 3
+        return torch.ones(tq, tk, dtype=torch.bool).tril(0 if tq - tk > 3 else tk - tq)
+    cases = exercise.public_cases() + hidden_cases(exercise.key, 0)
+    results = [judge_case(exercise, case, exercise.expected(case), Answer(value=past_three(
+        *case.args)), hidden=i >= len(exercise.public_cases())) for i, case in enumerate(cases)]
+    judgement = Judgement(exercise.key, results=results, by_regime=True)
+    assert judgement.credit() == pytest.approx(3 / 4)
+    saved = registry._CENTRAL.get(exercise.key, frozenset())
+    registry._CENTRAL[exercise.key] = frozenset({"Tq > Tk by more than one (rows with no key)"})
+    try:
+        assert judgement.credit() == 0
+        assert judgement.reason().startswith("earns nothing: it fails the regime the exercise "
+                                             "is about (Tq > Tk by more than one")
+    finally:
+        registry._CENTRAL[exercise.key] = saved

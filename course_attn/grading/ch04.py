@@ -444,7 +444,7 @@ def _causal_cases():
 
 register(Exercise(
     key="ch04.causal_self_attention", function="causal_self_attention",
-    task="debug",
+    task="debug", given=leaky_self_attention,
     reference=causal_self_attention_reference, cases=_causal_cases,
     ops=ELEMENTARY | SOFTMAX,
     compare=expect_close_tensor(1e-5, 1e-5), banned=NO_LIBRARY_ATTENTION,

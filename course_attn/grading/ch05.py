@@ -479,7 +479,7 @@ def _rotary_cases():
 
 register(Exercise(
     key="ch05.rotary", function="rotary",
-    task="debug",
+    task="debug", given=mixed_layout_rotary,
     reference=rotary_reference, cases=_rotary_cases, compare=expect_close_tensor(1e-5, 1e-5),
     ops=ELEMENTARY, banned=("course_attn",),
     mistakes=(

@@ -349,7 +349,7 @@ UNSCALED = ("the softmax's 1/sqrt(D) never reaches your scores: a factor applied
 
 register(Exercise(
     key="ch06.qk_norm_heads", function="qk_norm_heads", reference=qk_norm_heads_reference,
-    task="debug",
+    task="debug", given=_qk_norm_heads_given,
     ops=ELEMENTARY | SOFTMAX,
     cases=_heads_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(

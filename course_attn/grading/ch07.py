@@ -259,7 +259,7 @@ TILED_GROUPS = ("your query head h reads KV head h % Hkv, as if the KV heads wer
 register(Exercise(
     key="ch07.grouped_attention", function="grouped_attention",
     reference=grouped_attention_reference,
-    task="debug",
+    task="debug", given=_grouped_given,
     ops=ELEMENTARY | SOFTMAX,
     cases=_grouped_cases, compare=expect_tensor,
     # the point of the given function is to read the shared heads where they are, not to copy

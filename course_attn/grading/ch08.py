@@ -491,7 +491,7 @@ def _decode_cases():
 
 register(Exercise(
     key="ch08.greedy_decode", function="greedy_decode", reference=greedy_decode_reference,
-    task="debug", ops=ELEMENTARY | SOFTMAX,
+    task="debug", given=_decode_wrong(_at_zero, _at_zero), ops=ELEMENTARY | SOFTMAX,
     cases=_decode_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(
         Mistake("this is still the given loop's bug: each decode step rotates its new token at "

@@ -817,6 +817,7 @@ def _chunked_zeroed(q, k, v, bias, chunk):
 
 register(Exercise(
     key="ch09.chunked_attention", function="chunked_attention", task="debug",
+    given=chunked_attention_given,
     reference=chunked_attention_reference, ops=ELEMENTARY,
     cases=_chunked_cases, compare=expect_close_tensor(1e-5, 1e-5),
     banned=NO_SOFTMAX_OR_LSE + NO_LIBRARY_ATTENTION[1:],

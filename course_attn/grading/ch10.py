@@ -434,6 +434,7 @@ def _prefix_wrong(*, norm="inclusive", memory="inclusive"):
 register(Exercise(
     key="ch10.causal_linear_attention", function="causal_linear_attention",
     reference=causal_linear_attention_reference, task="debug",
+    given=given_causal_linear_attention,
     ops=ELEMENTARY,
     cases=_sequence_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(

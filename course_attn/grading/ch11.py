@@ -479,7 +479,7 @@ def _decode_by_position(q, k, v, window):
 
 register(Exercise(
     key="ch11.window_decode", function="window_decode", reference=window_decode_reference,
-    task="debug",
+    task="debug", given=given_window_decode,
     ops=ELEMENTARY | SOFTMAX,
     cases=_decode_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
     mistakes=(

@@ -297,7 +297,7 @@ def _requests_cases():
 
 register(Exercise(
     key="ch12.run_requests", function="run_requests", reference=run_requests_reference,
-    task="debug",
+    task="debug", given=given_run_requests,
     ops=NONE,
     cases=_requests_cases, compare=expect_pool_state, banned=("course_attn",),
     mistakes=(

@@ -25,14 +25,19 @@ class ExerciseFailed(AssertionError):
         return [f"ExerciseFailed: {self}"]
 
 
-def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = True) -> Judgement:
+def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = True,
+                 hidden=()) -> Judgement:
     """Judge ``fn`` (a function, or the value of a ``kind="value"`` exercise) on ``cases``
-    (default: the public ones), in this process; never raises for a broken ``fn``."""
-    judgement = Judgement(exercise.key)
+    (default: the public ones), in this process; never raises for a broken ``fn``. ``hidden``:
+    cases judged after them as the grader's hidden ones, and the credit given by regime, as
+    the grader gives it (``grade_here``)."""
+    hidden = list(hidden)
+    judgement = Judgement(exercise.key, by_regime=bool(hidden))
     cases = exercise.public_cases() if cases is None else cases
+    cases = [(case, False) for case in cases] + [(case, True) for case in hidden]
     options = guard_options(exercise, PACKAGE_DIR, imports=False)
     guard = Guard.from_options(options) if watch_banned else Guard()
-    for case in cases:
+    for case, secret in cases:
         expected = exercise.expected(case)
         if exercise.kind == "value":
             answer = Answer(value=fn)
@@ -50,9 +55,18 @@ def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = Tru
                 changed = [i for i, (a, b) in enumerate(zip(args, case.args))
                            if _encoded(a) != _encoded(b)]
                 answer.mutated_argument = changed[0] if changed else None
-        judgement.results.append(judge_case(exercise, case, expected, answer))
+        judgement.results.append(judge_case(exercise, case, expected, answer, secret))
     judgement.banned = list(guard.hits)
     return judgement
+
+
+def grade_here(exercise: Exercise, fn, seed: int, *, watch_banned: bool = True) -> Judgement:
+    """``fn`` judged as the grader judges it with hidden seed ``seed`` (public cases, then the
+    hidden ones, credit by regime), but in this process: for tests and ``make mutants``, which
+    try many answers on many seeds. ``judgement.credit()`` is the share the grader gives."""
+    from .exercise import hidden_cases
+    return run_exercise(exercise, fn, watch_banned=watch_banned,
+                        hidden=hidden_cases(exercise.key, seed))
 
 
 def _as_sent(value) -> Answer:

@@ -84,7 +84,9 @@ class Exercise:
     tensor arguments the function must read where they are, never copy; ``no_table``: the
     positions of q, k and the block size of a tiled computation, which may not make a whole
     (Tq, Tk) table; ``read_once``: the arguments a one-pass computation reads only once
-    (``harness.Guard``).
+    (``harness.Guard``). ``given``: for a debug exercise, the buggy function as the notebook
+    gives it (same signature): a regime of the hidden cases in which it is already right is no
+    regime of the exercise (``judge.Judgement.parts``), so handing it in unchanged scores 0.
     """
 
     key: str
@@ -101,6 +103,7 @@ class Exercise:
     no_copy: tuple[tuple[int, str], ...] = ()
     no_table: tuple[int, int, int] | None = None
     read_once: tuple[tuple[int, str], ...] = ()
+    given: Callable | None = None
 
     @property
     def chapter(self) -> str:
@@ -129,6 +132,7 @@ class Exercise:
 _EXERCISES: dict[str, Exercise] = {}
 _HIDDEN: dict[str, Callable[[torch.Generator], Iterable[Case]]] = {}
 _REGIMES: dict[str, dict[str, Callable[[Case], bool]]] = {}
+_CENTRAL: dict[str, frozenset[str]] = {}
 
 
 def validate_key(key: str) -> str:
@@ -152,6 +156,8 @@ def register(exercise: Exercise) -> Exercise:
     validate_key(exercise.key)
     if exercise.kind not in ("function", "value"):
         raise ValueError(f"{exercise.key}: kind must be 'function' or 'value'")
+    if exercise.task == "debug" and exercise.given is None:
+        raise ValueError(f"{exercise.key}: a debug exercise declares its given function")
     if exercise.task not in TASKS:
         raise ValueError(f"{exercise.key}: task must be one of {sorted(TASKS)}, "
                          f"got {exercise.task!r}")
@@ -159,7 +165,8 @@ def register(exercise: Exercise) -> Exercise:
     return exercise
 
 
-def hidden(key: str, regimes: Mapping[str, Callable[[Case], bool]] | None = None):
+def hidden(key: str, regimes: Mapping[str, Callable[[Case], bool]] | None = None,
+           central: Iterable[str] = ()):
     """Decorator for ``solutions/hidden/chNN.py``: ``@hidden("ch03.causal_mask", regimes=...)``
     registers a generator ``(torch.Generator) -> cases``.
 
@@ -168,10 +175,20 @@ def hidden(key: str, regimes: Mapping[str, Callable[[Case], bool]] | None = None
     1``). A hidden set is a sample of the inputs, so it is drawn by regime, not by range: the
     generator draws at least one case inside every regime on every seed (the random part
     inside the regime), and ``tests/test_hidden_regimes.py`` proves it for seeds 0-99, and
-    that an answer wrong in one regime only fails there."""
+    that an answer wrong in one regime only fails there.
+
+    ``central``: the regimes that are the point of the exercise (what the chapter does not
+    show, the edge the task is about): an answer that fails a case in one of them earns
+    nothing, however many other regimes it gets right (``judge.Judgement.credit``)."""
+    central = frozenset(central)
+    unknown = central - set(regimes or {})
+    if unknown:
+        raise ValueError(f"{key}: central regimes {sorted(unknown)} are not among its regimes")
+
     def decorate(make: Callable[[torch.Generator], Iterable[Case]]):
         _HIDDEN[validate_key(key)] = make
         _REGIMES[key] = dict(regimes or {})
+        _CENTRAL[key] = central
         return make
     return decorate
 
@@ -188,6 +205,11 @@ def credit_parts(key: str) -> str:
 def hidden_regimes(key: str) -> dict[str, Callable[[Case], bool]]:
     """The regimes ``key``'s hidden cases declare (see ``hidden``); {} if none."""
     return dict(_REGIMES.get(key, {}))
+
+
+def central_regimes(key: str) -> frozenset[str]:
+    """The regimes ``key``'s hidden cases declare central (see ``hidden``); empty if none."""
+    return _CENTRAL.get(key, frozenset())
 
 
 def get(key: str) -> Exercise:

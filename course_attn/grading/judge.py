@@ -2,13 +2,16 @@
 names the mistake. Pure computation on plain values; ``check()`` uses it in the notebook and
 the grader uses it in its own process, on the answers the kernel sent back."""
 
+import copy
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from .exercise import Case, Exercise, hidden_regimes
-from .harness import COPY_OF, READ_AGAIN, SWITCHES_OFF, TABLE_OF
+from .exercise import Case, Exercise, central_regimes, hidden_regimes
+from .harness import COPY_OF, READ_AGAIN, SWITCHES_OFF, TABLE_OF, encode
 
 NOT_IMPLEMENTED = "not answered yet"
 OUT_OF_MEMORY = ("can't allocate memory", "Cannot allocate memory", "out of memory",
@@ -36,6 +39,12 @@ class CaseResult:
     named: bool = False  # the hint names a typical mistake (not the case's own hint)
     part: str = ""       # the part of a multi-part answer this case judges (Case.part)
     regimes: tuple[str, ...] = ()  # the regimes of the exercise's hidden cases it lies in
+    # what the answer and the expected answer were (``fingerprint``; "" where there was none, or
+    # where the exercise asks for one value, not a function), and whether a debug exercise's
+    # given function is already right on this case
+    answer_key: str = ""
+    expected_key: str = ""
+    given_right: bool = False
 
 
 OTHER_CASES = "the cases in no regime"
@@ -69,9 +78,23 @@ class Judgement:
         if not self.by_regime or not any(r.regimes for r in self.results):
             return {}
         regimes: dict[str, bool] = {}
+        sampled: set[str] = set()      # the regimes that hold a hidden case
+        broken: set[str] = set()       # the regimes where a given function is wrong somewhere
         for r in self.results:
             for regime in r.regimes or (OTHER_CASES,):
                 regimes[regime] = regimes.get(regime, True) and r.passed
+                if r.hidden:
+                    sampled.add(regime)
+                if not r.given_right:
+                    broken.add(regime)
+        # a regime counts only where the grader's own draws test it (a table of the public
+        # answers passes every public case), and, for a debug exercise, only where the given
+        # function is wrong somewhere: a regime where it is already right is no regime of the
+        # exercise
+        if sampled:
+            regimes = {k: v for k, v in regimes.items() if k in sampled}
+        if any(r.given_right for r in self.results):
+            regimes = {k: v for k, v in regimes.items() if k in broken}
         return regimes if len(regimes) > 1 else {}
 
     def _by_regime(self, parts) -> bool:
@@ -86,8 +109,29 @@ class Judgement:
             return 0.0
         if self.passed:
             return 1.0
+        if self.non_answer():
+            return 0.0
         parts = self.parts()
         return sum(parts.values()) / len(parts) if parts else 0.0
+
+    def non_answer(self) -> str:
+        """Why a partly right answer earns nothing, or "": it fails every hidden case (a table
+        of the public answers), it fails a case of a central regime (the point of the
+        exercise, ``exercise.hidden(central=...)``), or it gives one answer whatever the input
+        (a constant) where the right answers differ."""
+        hidden = [r for r in self.results if r.hidden]
+        if hidden and not any(r.passed for r in hidden):
+            return "it fails every hidden case"
+        central = central_regimes(self.key)
+        missed = next((regime for r in self.results if not r.passed for regime in r.regimes
+                       if regime in central), None)
+        if missed:
+            return f"it fails the regime the exercise is about ({missed})"
+        answers = {r.answer_key for r in self.results}
+        if len(self.results) > 1 and len(answers) == 1 and "" not in answers and \
+                len({r.expected_key for r in self.results}) > 1:
+            return "it gives the same answer whatever the input"
+        return ""
 
     @property
     def not_implemented(self) -> bool:
@@ -122,6 +166,8 @@ class Judgement:
         failed = [r for r in self.results if not r.passed]
         if not failed:
             return "passed"
+        nothing = self.non_answer()
+        nothing = f"earns nothing: {nothing}; " if nothing else ""
         # The case to show: one whose answer is a typical mistake's, so the hint names it,
         # the public ones first (the student can rerun them); else the first that failed.
         shown = min(failed, key=lambda r: (not r.named, r.hidden))
@@ -134,8 +180,8 @@ class Judgement:
         else:
             right = f"{sum(parts.values())} of {len(parts)} parts right; " if parts else ""
         which = "first" if shown is failed[0] else "one that names the mistake"
-        text = f"{right}{len(failed)} of {len(self.results)} cases failed ({which}, {where}: " \
-               f"{shown.message}"
+        text = f"{nothing}{right}{len(failed)} of {len(self.results)} cases failed ({which}, " \
+               f"{where}: {shown.message}"
         return text + (f"; hint: {shown.hint})" if shown.hint else ")")
 
 
@@ -295,9 +341,12 @@ def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
     name, part = case.name, case.part
     regimes = tuple(regime for regime, holds in hidden_regimes(exercise.key).items()
                     if _holds(holds, case))
+    seen = dict(given_right=given_is_right(exercise, case, expected))
+    if exercise.kind == "function" and answer.error is None and not answer.unsendable:
+        seen.update(answer_key=fingerprint(answer.value), expected_key=fingerprint(expected))
 
     def failed(message, hint="", named=False):
-        return CaseResult(name, False, message, hint, hidden, named, part, regimes)
+        return CaseResult(name, False, message, hint, hidden, named, part, regimes, **seen)
     if answer.error is not None:
         if answer.error.get("type") == "NotImplementedError":
             return failed(describe_error(answer.error))
@@ -321,7 +370,30 @@ def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
     if answer.mutated_argument is not None:
         return failed(f"your function changed its argument {answer.mutated_argument + 1} in "
                       "place", "compute a new tensor or list instead of writing into the input")
-    return CaseResult(name, True, hint=case.hint, hidden=hidden, part=part, regimes=regimes)
+    return CaseResult(name, True, hint=case.hint, hidden=hidden, part=part, regimes=regimes,
+                      **seen)
+
+
+def fingerprint(value) -> str:
+    """A digest of ``value`` as the grader receives it (so two equal answers have one digest);
+    "" for a value that cannot be sent."""
+    try:
+        data = json.dumps(encode(value), sort_keys=True)
+    except Exception:
+        return ""
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
+def given_is_right(exercise: Exercise, case: Case, expected) -> bool:
+    """Whether a debug exercise's given function (``Exercise.given``) already answers ``case``
+    right; False for an exercise with none."""
+    if exercise.given is None:
+        return False
+    try:
+        value = exercise.given(*copy.deepcopy(case.args), **copy.deepcopy(dict(case.kwargs)))
+    except Exception:
+        return False
+    return same_answer(exercise, value, expected, case)
 
 
 def _holds(predicate, case) -> bool:
