@@ -41,16 +41,23 @@ _GEMMA3 = "Gemma Team 2025 (Gemma 3), section 2; google/gemma-3-4b-pt config.jso
 _STREAMING = "Xiao et al. 2024 (StreamingLLM), section 3.3"
 _GPT2 = "openai-community/gpt2 config.json"
 _GQA = "Ainslie et al. 2023 (GQA), section 3.1 (uptraining: alpha = 0.05 of pre-training steps)"
-# NVIDIA's datasheets give the tensor-core figures "with sparsity" (2:4 structured); the dense
-# peak that ordinary matmuls reach at best is half of it: 1,979 / 2 = 989.4 TFLOP/s in BF16.
-_H100 = ("NVIDIA H100 Tensor Core GPU datasheet, specifications table, H100 SXM column "
-         "(BF16 Tensor Core 1,979 TFLOPS with sparsity; GPU memory bandwidth 3.35 TB/s)")
+# NVIDIA's datasheets give the tensor-core figures "with sparsity" (2:4 structured), rounded:
+# 1,979 TFLOPS in BF16. The dense peak, the most that ordinary matmuls can reach, is the
+# architecture whitepaper's figure, 989.4 TFLOP/s (1,978.9 with sparsity): half of the unrounded
+# sparse figure, not of the datasheet's 1,979 (which would give 989.5).
+_H100 = ("NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), table of H100 SXM5 "
+         "specifications: Peak BF16 Tensor TFLOPS with FP32 Accumulate 989.4 (1,978.9 with "
+         "sparsity); NVIDIA H100 Tensor Core GPU datasheet, specifications table, H100 SXM "
+         "column: GPU memory bandwidth 3.35 TB/s")
 # Figure 2 of the paper (from the experiment of its section 6.2) draws each system's KV-cache
 # memory as token states, reservation and fragmentation; section 1 quotes the token states' share.
 _VLLM = ("Kwon et al. 2023 (PagedAttention, SOSP 2023), section 1 and figure 2: existing systems "
          "used 20.4%-38.2% of their KV-cache memory for token states; vLLM wastes under 4%")
+# The H200 SXM has the H100 SXM's chip and tensor cores (the datasheet's BF16 figure is the same
+# 1,979 with sparsity) and faster memory: the dense peak is the H100 whitepaper's 989.4.
 _H200 = ("NVIDIA H200 Tensor Core GPU datasheet, specifications table, H200 SXM column "
-         "(BF16 Tensor Core 1,979 TFLOPS with sparsity; GPU memory bandwidth 4.8 TB/s)")
+         "(BF16 Tensor Core 1,979 TFLOPS with sparsity, as the H100 SXM's, whose dense figure "
+         "is 989.4 in the H100 whitepaper's table; GPU memory bandwidth 4.8 TB/s)")
 
 FACTS: tuple[Fact, ...] = (
     # Llama 2 7B: multi-head attention, RoPE at base 10000
