@@ -259,8 +259,10 @@ class PretrainedGPT(GPT):
         rotary = None                     # one table of cos and sin for every layer
         if config.position == "rope":
             scaling = dict(config.rope_scaling) if config.rope_scaling else None
-            rotary = RotaryEmbedding(config.head_dim, min(config.seq_len, ROPE_TABLE),
-                                     config.rope_base, scaling=scaling)
+            with torch.device("cpu"):     # computed, never loaded: real even when the weights
+                rotary = RotaryEmbedding(  # are built on the meta device (load_pretrained)
+                    config.head_dim, min(config.seq_len, ROPE_TABLE), config.rope_base,
+                    scaling=scaling)
         self.blocks = nn.ModuleList(
             PretrainedBlock(config, i, backend=backend, rope_layout=rope_layout, rotary=rotary)
             for i in range(config.n_layers))
@@ -423,17 +425,30 @@ def load_pretrained(folder, *, dtype: torch.dtype | None = None, device=None,
     ``backend``: the attention function of every layer (all give the same numbers);
     ``rope_layout``: "half" (as stored by Hugging Face) or "interleaved" (Meta's layout, the
     rows of Wq and Wk permuted back; the same logits). Returned in eval mode.
+    The weights are held once: the checkpoint's tensors, memory-mapped, become the parameters
+    (a copy only for a ``dtype`` other than the stored one).
     ``CheckpointError`` (one line) for anything the course cannot load as it is.
     """
     folder = Path(folder)
     config = read_config(folder)
-    tensors = read_tensors(folder)
+    tensors = read_tensors(folder)            # memory-mapped: read from the file when used
     if dtype is None:
         dtype = next(t.dtype for t in tensors.values() if t.dtype.is_floating_point)
-    model = PretrainedGPT(config, backend=backend, rope_layout=rope_layout)
+    # built on the meta device (shapes, no memory), then handed the checkpoint's own tensors:
+    # the weights are held once, in their dtype, never first drawn at random and then copied
+    with torch.device("meta"):
+        model = PretrainedGPT(config, backend=backend, rope_layout=rope_layout)
     state = _course_state(config, model, tensors)
-    model.load_state_dict(state)
-    return model.to(device=device, dtype=dtype).eval()
+    del tensors
+    cast: dict[int, Tensor] = {}              # by id: a tied embedding stays one tensor
+    for name, t in state.items():
+        if id(t) not in cast:
+            cast[id(t)] = t.to(dtype)         # the same tensor when it has that dtype already
+        state[name] = cast[id(t)]
+    model.load_state_dict(state, assign=True)
+    if config.tie_embeddings:                 # assign made two parameters of the one tensor
+        model.lm_head.weight = model.token_embedding.weight
+    return model.to(device=device).eval()
 
 
 # ----------------------------------------------------------------- random checkpoints, for tests
@@ -449,9 +464,10 @@ MODEL_TYPES = {name: name for name in TINY_SIZES}
 
 def save_random_checkpoint(folder, architecture: str = "llama", *, seed: int = 0,
                            init_std: float = 0.2, max_shard_size: str | None = None,
-                           **options):
+                           dtype: torch.dtype = torch.float32, **options):
     """A randomly initialised transformers model saved to ``folder`` by ``save_pretrained``;
-    returns that model (eval mode, float32), the reference to compare the course's with.
+    returns that model (eval mode, in ``dtype``, as saved), the reference to compare the
+    course's with.
 
     Tiny by default (hidden 64, 2 layers, 4 heads, 2 key/value heads, vocab 128, 128 positions);
     ``options`` are config.json's fields (``hidden_size=``, ``rope_parameters=``,
@@ -475,6 +491,7 @@ def save_random_checkpoint(folder, architecture: str = "llama", *, seed: int = 0
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
+    model.to(dtype)
     kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
     model.save_pretrained(folder, **kwargs)
     return model

@@ -7,7 +7,10 @@ could meet with a checkpoint is a one-line error that names it.
 """
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -37,6 +40,8 @@ CHECKPOINTS = {                 # name -> (architecture, config.json options)
     "qwen3": ("qwen3", dict(head_dim=32)),          # H·D = 128, not hidden_size = 64
     "mistral": ("mistral", dict(sliding_window=WINDOW)),
 }
+LARGE_LLAMA = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=2, vocab_size=32000)
 PROMPT_LEN = 20                 # > WINDOW: Mistral's window cuts into every prompt
 ATOL = 1e-4
 
@@ -265,6 +270,44 @@ def test_hub_style_names_load(checkpoints, tmp_path):
     assert (ours - reference_logits(checkpoints["llama"][1], idx)).abs().max() <= ATOL
 
 
+PEAK_MEMORY = """
+import sys, torch
+from course_attn.checkpoints import load_pretrained
+
+def peak():      # VmHWM: this process's peak resident memory (ru_maxrss keeps the parent's)
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+def load_and_run(folder):
+    model = load_pretrained(folder)
+    with torch.no_grad():
+        model(torch.zeros(1, 4, dtype=torch.long))
+    return model
+
+load_and_run(sys.argv[1])                 # torch's code paths warmed up on a tiny checkpoint
+before = peak()
+model = load_and_run(sys.argv[2])
+print(peak() - before, sum(p.nbytes for p in set(model.parameters())))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's VmHWM")
+def test_loading_holds_the_weights_once(tmp_path):
+    """A 45M-parameter bfloat16 Llama: the process's peak resident memory grows by at most 1.3x
+    the weights' bytes from before load_pretrained to after a forward pass (which reads every
+    weight), in a fresh process. A model drawn at random first, then overwritten and cast, held
+    3.3x."""
+    small, large = tmp_path / "small", tmp_path / "large"
+    save_random_checkpoint(small, "llama", dtype=torch.bfloat16)
+    save_random_checkpoint(large, "llama", dtype=torch.bfloat16, init_std=0.02,
+                           **LARGE_LLAMA)
+    out = subprocess.run([sys.executable, "-c", PEAK_MEMORY, str(small), str(large)],
+                         capture_output=True, text=True, check=True, timeout=300)
+    peak, weights = map(int, out.stdout.split())
+    assert weights > 50 * 2**20                   # large enough that the measure is the weights
+    assert peak <= 1.3 * weights, f"peak {peak / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB"
+
+
 def test_exported_at_top_level():
     assert course_attn.load_pretrained is load_pretrained
     assert course_attn.generate is generate
@@ -359,8 +402,6 @@ def test_not_a_checkpoint_folder(checkpoints, tmp_path):
 def test_import_does_not_load_transformers():
     """transformers takes seconds to import: the package leaves it to the functions that need
     it."""
-    import subprocess
-    import sys
     code = "import sys, course_attn; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
