@@ -22,6 +22,7 @@ from course_attn.flash import tile_schedule
 from course_attn.grading import get, run_exercise
 from course_attn.grading.ch09 import (COUNT_QUESTIONS, COUNT_SIZES, MORE_COUNT_SIZES,
                                       empty_state, split_states, tile_update_reference)
+from course_attn.grading.check import grade_here
 from course_attn.grading.exercise import hidden_cases
 
 from check_support import assert_banned, assert_fails, assert_fails_on_every_seed, results
@@ -99,8 +100,9 @@ def tile_update(m, l, acc, scores, v, *, rescale_acc=True, rescale_l=True, guard
 
 def tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None, *, floor=False,
               top_left=False, diagonal=True, extra=False, by_index=False, windowed=True,
-              strict_last=False):
-    """The solution; the keywords make it one typical mistake or another."""
+              strict_last=False, corners=False):
+    """The solution; the keywords make it one typical mistake or another (``corners``: a tile
+    is kept when one of its four corners is an allowed pair, as the exercise's words invite)."""
     n_q = tq // block_q if floor else -(-tq // block_q)
     n_k = tk // block_k if floor else -(-tk // block_k)
     offset = 0 if top_left else tk - tq
@@ -123,6 +125,9 @@ def tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None, *, floor=F
                     ok = k0 <= p1
             if window is not None and windowed:
                 ok = ok and k1 > p0 - window and (is_causal or k0 < p1 + window)
+            if corners:
+                ok = any((not is_causal or k <= p) and (window is None or abs(p - k) < window)
+                         for p in (p0, p1) for k in (k0, k1))
             keep[i, j] = ok
     return keep
 
@@ -348,6 +353,17 @@ def test_tile_mask_mistakes():
     def one_more(tq, tk, bq, bk, is_causal=False, window=None):
         return tile_mask(tq, tk, bq, bk, is_causal, None if window is None else window + 1)
     assert_fails(MASK, one_more, WINDOW, hint="one position too many")
+
+
+def test_tile_mask_checking_only_the_corners_loses_points_on_every_seed():
+    """Issue 42: keeping a tile when one of its four corners is allowed scored 2/2 on about
+    97% of gradings; a band crossing a tile between its corners (a window of 2 or 3, key
+    blocks 3 wider than query blocks) is a regime drawn on every seed now."""
+    def corners_only(*args, **kwargs):
+        return tile_mask(*args, **kwargs, corners=True)
+    for seed in range(100):
+        judgement = grade_here(get(MASK), corners_only, seed, watch_banned=False)
+        assert judgement.credit() < 1, seed
 
 
 def test_tile_mask_may_not_call_the_package():
@@ -800,9 +816,10 @@ def test_triton_forward_may_not_call_the_packages_kernels(kernel):
 FLASH_BACKWARD = "ch09.flash_backward"
 
 
-def flash_backward(q, k, v, out, lse, dout, dlse, is_causal=False, block=16):
+def flash_backward(q, k, v, out, lse, dout, dlse, is_causal=False, block=16, *, edge=True):
     """Gradients (dq, dk, dv) of a loss whose gradients on the attention's output and
-    log-sum-exp are dout (B, H, Tq, Dv) and dlse (B, H, Tq), recomputing P tile by tile."""
+    log-sum-exp are dout (B, H, Tq, Dv) and dlse (B, H, Tq), recomputing P tile by tile.
+    ``edge=False``: the skip drops a tile whose first key is its block's last query."""
     tq, tk, scale = q.shape[-2], k.shape[-2], 1 / math.sqrt(q.shape[-1])
     offset = tk - tq                                   # query i sits at position Tk - Tq + i
     # lse_i depends on every score of row i (d lse_i / d S_ij = P_ij): its gradient joins the
@@ -815,7 +832,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse, is_causal=False, block=16):
         cols = torch.arange(k0, k0 + kb.shape[-2])
         for q0 in range(0, tq, block):
             rows = offset + torch.arange(q0, min(q0 + block, tq))
-            if is_causal and k0 > int(rows[-1]):
+            if is_causal and (k0 > int(rows[-1]) if edge else k0 >= int(rows[-1])):
                 continue                               # above the diagonal: nothing to add
             qb, dob = q[..., q0:q0 + block, :], dout[..., q0:q0 + block, :]
             s = qb @ kb.transpose(-2, -1) * scale
@@ -827,6 +844,18 @@ def flash_backward(q, k, v, out, lse, dout, dlse, is_causal=False, block=16):
             dq[..., q0:q0 + block, :] += ds @ kb * scale
             dk[..., k0:k0 + block, :] += ds.transpose(-2, -1) @ qb * scale
     return dq, dk, dv
+
+
+def test_flash_backward_skipping_the_edge_tile_loses_points_on_every_seed():
+    """Issue 42: a skip of ``k0 >= last query`` drops the tile whose first key is the block's
+    last query (its one allowed pair) and scored 4/4 on about 75% of gradings; that tile is a
+    regime drawn on every seed now, and the answer loses points on each of 100 seeds."""
+    def skipping_the_edge(*args, **kwargs):
+        return flash_backward(*args, **kwargs, edge=False)
+    assert run_exercise(get(FLASH_BACKWARD), skipping_the_edge).passed   # public cases miss it
+    for seed in range(100):
+        judgement = grade_here(get(FLASH_BACKWARD), skipping_the_edge, seed, watch_banned=False)
+        assert judgement.credit() < 1, seed
 
 
 def test_flash_backward_the_notebooks_solution_passes_on_every_seed():

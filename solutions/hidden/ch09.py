@@ -8,7 +8,7 @@ import torch
 from course_attn.grading.cases import randint, randn
 from course_attn.grading.ch09 import (COUNTS, PAD, TRITON_BLOCK, backward_case, exponent_case,
                                       far_below, padded_inputs, random_qkv, rising_keys,
-                                      split_states, tile_case)
+                                      split_states, tile_case, tile_mask_reference)
 from course_attn.grading.exercise import Case, hidden
 
 INF = float("-inf")
@@ -162,6 +162,28 @@ def _(gen):
 # wrong there); query blocks one longer than key blocks, Tq = Tk (key block 1 starts at
 # query block 0's last position: a strict first key < last query is wrong there); a causal
 # window shorter than the keys (ignoring it is wrong there).
+def _allowed(p, k, causal, window):
+    """Whether the query at position p may see the key at position k."""
+    if causal and k > p:
+        return False
+    return window is None or abs(p - k) < window
+
+
+def _crossed_between_corners(tq, tk, bq, bk, causal, window):
+    """Whether some tile holds an allowed pair while none of its four corners (first and last
+    query, first and last key) is one: a band narrower than the tile passing between them."""
+    crossed = tile_mask_reference(tq, tk, bq, bk, is_causal=causal, window=window)
+    offset = tk - tq
+    for i in range(crossed.shape[0]):
+        rows = (offset + i * bq, offset + min((i + 1) * bq, tq) - 1)
+        for j in range(crossed.shape[1]):
+            cols = (j * bk, min((j + 1) * bk, tk) - 1)
+            if crossed[i, j] and not any(_allowed(p, k, causal, window)
+                                         for p in rows for k in cols):
+                return True
+    return False
+
+
 def _mask_regime(rule):
     """A regime of tile_mask: ``rule`` of (tq, tk, bq, bk, causal, window)."""
     def inside(case):
@@ -190,6 +212,8 @@ def _mask_regime(rule):
         _mask_regime(lambda tq, tk, bq, bk, c, w: tq % bq == 0 == tk % bk),
     "query and key blocks of different sizes": _mask_regime(
         lambda tq, tk, bq, bk, c, w: bq != bk),
+    "a band crossing a tile between its corners": _mask_regime(
+        lambda *sizes: _crossed_between_corners(*sizes)),
 })
 def _(gen):
     bq = randint(2, 5, gen)
@@ -223,6 +247,18 @@ def _(gen):
     w = tk + randint(0, 4, gen)
     yield Case(f"causal, a window of {w} >= Tk, Tq={tq}, Tk={tk}, blocks {bq} x {bk}",
                (tq, tk, bq, bk), dict(is_causal=True, window=w))
+    # a causal window of 2 and key blocks 3 wider than the query blocks: a band that crosses
+    # a tile between its corners (an answer that checks only the corners is wrong there),
+    # drawn until one does; 12 x 12 in blocks 2 x 5 if none did (query block 1 and key block 0)
+    for _ in range(20):
+        bq = randint(2, 4, gen)
+        t, w = randint(2 * bq + 3, 24, gen), randint(2, 3, gen)
+        if _crossed_between_corners(t, t, bq, bq + 3, True, w):
+            break
+    else:
+        t, bq, w = 12, 2, 2
+    yield Case(f"causal, a window of {w}, {t} x {t} in blocks {bq} x {bq + 3}",
+               (t, t, bq, bq + 3), dict(is_causal=True, window=w))
     # the edges, on every seed: a single key block (one partial, one whole) under the largest
     # gap the other cases draw, so that rows with no key span several query blocks
     yield Case("causal, Tq=17 > Tk=3, blocks 3 x 4 (one partial key block)", (17, 3, 3, 4),
@@ -398,6 +434,13 @@ def _sizes(case):
     return q.shape[-2], k.shape[-2], case.args[8]
 
 
+def _edge_tile(case):
+    """Causal, and some key tile starts at the position of its query block's last query."""
+    tq, tk, block = _sizes(case)
+    lasts = (tk - tq + min(q0 + block, tq) - 1 for q0 in range(0, tq, block))
+    return bool(case.args[7]) and any(0 <= last < tk and last % block == 0 for last in lasts)
+
+
 @hidden("ch09.flash_backward", regimes={
     "Tq = Tk": lambda case: _sizes(case)[0] == _sizes(case)[1],
     "Tq < Tk": lambda case: _sizes(case)[0] < _sizes(case)[1],
@@ -409,6 +452,7 @@ def _sizes(case):
     "no gradient on lse": lambda case: bool(case.args[6].abs().sum() == 0),
     "a partial last block": lambda case: any(t % _sizes(case)[2] for t in _sizes(case)[:2]),
     "a single block": lambda case: max(_sizes(case)[:2]) <= _sizes(case)[2],
+    "causal, a key tile whose first key is its query block's last query": _edge_tile,
 })
 def _(gen):
     block = 8 * randint(1, 2, gen)                              # 8 or 16
@@ -429,3 +473,11 @@ def _(gen):
     tq, tk = randint(block + 1, 3 * block, gen), randint(block + 1, 3 * block, gen)
     yield backward_case(f"not causal, Tq = {tq}, Tk = {tk}, no gradient on lse", 1, 2, tq, tk,
                         d, d, block, gen, dlse=False)
+    # the edge, on every seed: Tk - Tq one past a multiple of the block puts the first query
+    # block's last query (position Tk - Tq + block - 1) at the first key of a key tile, whose
+    # only allowed pair is that query and that key (skipping it when first key >= last query is
+    # wrong there)
+    tq = randint(block + 1, 2 * block, gen)
+    tk = tq + block * randint(1, 2, gen) + 1
+    yield backward_case(f"causal, Tq = {tq}, Tk = {tk}: a tile whose first key is the last "
+                        "query of its block", 1, 1, tq, tk, d, d, block, gen, is_causal=True)
