@@ -107,3 +107,13 @@ def test_vllm_shares_are_fractions_and_paging_beats_the_best_earlier_system():
     assert 0 < low < high < 1 - waste < 1
     assert f"{low:.1%}" in published.source("vLLM", "paged_waste_below")
     assert f"{high:.1%}" in published.source("vLLM", "paged_waste_below")
+
+
+@pytest.mark.parametrize("gpu", ["H100 SXM", "H200 SXM"])
+def test_a_gpu_figure_is_the_one_its_source_prints(gpu):
+    """The dense BF16 peak is a figure NVIDIA prints (the H100 whitepaper's 989.4), not half of
+    the datasheet's rounded sparse 1,979 (989.5); the bandwidth is the datasheet's."""
+    for field in ("bf16_dense_tflops", "hbm_bandwidth_tb_s"):
+        figure = f"{value(gpu, field):g}"
+        assert figure in published.source(gpu, field), (gpu, field, figure)
+    assert value(gpu, "bf16_dense_tflops") != 1979 / 2
