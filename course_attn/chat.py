@@ -7,8 +7,9 @@ MODEL is a checkpoint folder (``config.json``, ``*.safetensors`` and the tokeniz
 hub id, downloaded once with ``huggingface_hub`` into its usual cache. The prompt is tokenised by
 the checkpoint's own tokenizer (through its chat template when it has one, unless ``--raw``), the
 model is ``load_pretrained``'s (the course's modules) and the tokens come from the course's
-``generate`` with its KV cache; the completion is printed, cut at the tokenizer's end-of-sequence
-token. Anything that stops it (offline, no tokenizer, a checkpoint the course cannot load) is one
+``generate`` with its KV cache, greedy unless ``--temperature`` is above 0, stopping at the
+checkpoint's end-of-sequence token (``generation_config.json``, else the tokenizer's); the
+completion is printed without it. Anything that stops it (offline, no tokenizer, a checkpoint the course cannot load) is one
 line on stderr and exit status 2.
 """
 
@@ -65,13 +66,14 @@ def prompt_ids(tokenizer, prompt: str, raw: bool) -> torch.Tensor:
     return torch.tensor([ids], dtype=torch.long)
 
 
-def completion(tokenizer, new_ids: Sequence[int]) -> str:
-    """The generated tokens as text, up to (not including) the first end-of-sequence token."""
+def completion(tokenizer, new_ids: Sequence[int], eos: Sequence[int] | None = None) -> str:
+    """The generated tokens as text, up to (not including) the first end-of-sequence token:
+    one of ``eos``, or the tokenizer's when None."""
     new_ids = list(new_ids)
-    eos = tokenizer.eos_token_id
-    if eos is not None and eos in new_ids:
-        new_ids = new_ids[:new_ids.index(eos)]
-    return tokenizer.decode(new_ids, skip_special_tokens=True)
+    if eos is None:
+        eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    ends = [i for i, token in enumerate(new_ids) if token in eos]
+    return tokenizer.decode(new_ids[:ends[0]] if ends else new_ids, skip_special_tokens=True)
 
 
 def chat(model: str, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
@@ -95,10 +97,15 @@ def chat(model: str, prompt: str, *, max_new_tokens: int = 64, temperature: floa
     except CheckpointError as error:
         raise ChatError(str(error)) from None
     ids = prompt_ids(tokenizer, prompt, raw)
-    generator = torch.Generator().manual_seed(seed)
-    out = generate(lm, ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                   generator=generator)
-    return completion(tokenizer, out[0, ids.shape[1]:].tolist())
+    generator = torch.Generator().manual_seed(seed)      # used when sampling
+    # the checkpoint's end tokens (generation_config.json), else the tokenizer's: generation
+    # stops there, as transformers' does, instead of running on to max_new_tokens
+    eos = lm.generation_config.eos_token_id or (
+        () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,))
+    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k,
+                    generator=generator) if temperature > 0 else {}
+    out = generate(lm, ids, max_new_tokens, eos_token_id=eos, **sampling)
+    return completion(tokenizer, out[0, ids.shape[1]:].tolist(), eos)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("model", help="a checkpoint folder or a Hugging Face hub id")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (default); above 0: sampled at that temperature")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,

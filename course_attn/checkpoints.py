@@ -33,14 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .model import GPT, Block
+from .model import GPT, Block, GenerationConfig
 from .multihead import MultiHeadAttention
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
 __all__ = ["ARCHITECTURES", "CheckpointConfig", "CheckpointError", "PretrainedGPT",
-           "interleave_rows", "load_pretrained", "read_config", "read_tensors",
-           "save_random_checkpoint"]
+           "interleave_rows", "load_pretrained", "read_config", "read_generation_config",
+           "read_tensors", "save_random_checkpoint"]
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen3ForCausalLM": "qwen3", "GPT2LMHeadModel": "gpt2"}
@@ -166,18 +166,51 @@ def _rotary_config(raw: dict, architecture: str) -> CheckpointConfig:
         tie_embeddings=raw.get("tie_word_embeddings", False))
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON ({str(error).splitlines()[0]}): "
+                              "restore it from the checkpoint's source") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} holds a {type(raw).__name__}, not a JSON object")
+    return raw
+
+
 def read_config(folder) -> CheckpointConfig:
     """The ``CheckpointConfig`` of the checkpoint in ``folder`` (its ``config.json``)."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
-    raw = json.loads(path.read_text())
+    raw = _read_json(path)
     architecture = _architecture(raw)
     try:
         return _gpt2_config(raw) if architecture == "gpt2" else _rotary_config(raw, architecture)
     except KeyError as missing:
         raise CheckpointError(f"config.json lacks {missing.args[0]!r}, which a {architecture} "
                               "needs") from None
+
+
+def _special_ids(raw: dict, key: str, path: Path) -> tuple[int, ...]:
+    value = raw.get(key)
+    ids = () if value is None else (value,) if isinstance(value, int) else value
+    if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(f"{path} sets {key}={value!r}: expected a token id or a list")
+    return tuple(ids)
+
+
+def read_generation_config(folder) -> GenerationConfig:
+    """The end and pad tokens ``generate`` uses: from ``generation_config.json`` when the
+    folder has one, else from ``config.json`` (transformers reads them the same way)."""
+    folder = Path(folder)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        path = folder / "config.json"
+    raw = _read_json(path)
+    pad = _special_ids(raw, "pad_token_id", path)
+    return GenerationConfig(eos_token_id=_special_ids(raw, "eos_token_id", path),
+                            pad_token_id=pad[0] if pad else None)
 
 
 # ----------------------------------------------------------------- the model, course modules
@@ -245,7 +278,12 @@ class PretrainedBlock(Block):
 class PretrainedGPT(GPT):
     """The course's ``GPT`` with a checkpoint's blocks: token ids (B, T) -> logits (B, T, V).
 
-    ``forward``, ``new_caches``, ``new_rolling_caches`` and ``generate`` are ``GPT``'s."""
+    ``forward``, ``new_caches``, ``new_rolling_caches`` and ``generate`` are ``GPT``'s; past
+    max_position_embeddings, ``generate`` does what transformers does (``past_seq_len``)."""
+
+    @property
+    def past_seq_len(self) -> str:
+        return "extend" if self.config.position == "rope" else "refuse"
 
     def __init__(self, config: CheckpointConfig, *, backend: str = "sdpa",
                  rope_layout: str = "half"):
@@ -421,16 +459,21 @@ def load_pretrained(folder, *, dtype: torch.dtype | None = None, device=None,
                     backend: str = "sdpa", rope_layout: str = "half") -> PretrainedGPT:
     """The model in a Hugging Face checkpoint ``folder``, built from the course's modules.
 
-    ``dtype``: None keeps the checkpoint's (as stored); ``device``: default the CPU;
+    ``dtype``: None keeps the checkpoint's (as stored), else a torch.dtype or its name
+    ("bfloat16"); ``device``: default the CPU;
     ``backend``: the attention function of every layer (all give the same numbers);
     ``rope_layout``: "half" (as stored by Hugging Face) or "interleaved" (Meta's layout, the
-    rows of Wq and Wk permuted back; the same logits). Returned in eval mode.
+    rows of Wq and Wk permuted back; the same logits). Returned in eval mode, with the end and
+    pad tokens of ``generation_config.json`` as its ``generation_config``, which ``generate``
+    reads.
     The weights are held once: the checkpoint's tensors, memory-mapped, become the parameters
     (a copy only for a ``dtype`` other than the stored one).
     ``CheckpointError`` (one line) for anything the course cannot load as it is.
     """
     folder = Path(folder)
+    dtype = _dtype(dtype)
     config = read_config(folder)
+    generation = read_generation_config(folder)
     tensors = read_tensors(folder)            # memory-mapped: read from the file when used
     if dtype is None:
         dtype = next(t.dtype for t in tensors.values() if t.dtype.is_floating_point)
@@ -448,7 +491,17 @@ def load_pretrained(folder, *, dtype: torch.dtype | None = None, device=None,
     model.load_state_dict(state, assign=True)
     if config.tie_embeddings:                 # assign made two parameters of the one tensor
         model.lm_head.weight = model.token_embedding.weight
+    model.generation_config = generation
     return model.to(device=device).eval()
+
+
+def _dtype(dtype) -> torch.dtype | None:
+    """``dtype`` as a torch.dtype: None, a floating torch.dtype or its name ("bfloat16")."""
+    named = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if named is not None and not (isinstance(named, torch.dtype) and named.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype or its name (torch.bfloat16 or "
+                         f"'bfloat16'), got {dtype!r}")
+    return named
 
 
 # ----------------------------------------------------------------- random checkpoints, for tests

@@ -80,7 +80,7 @@ def run_hf_bench(folder, *, new_tokens: int = 256, prompt_len: int = 16, batch: 
     outputs = {}
 
     def course():
-        outputs[COURSE] = generate(ours, prompt, new_tokens, temperature=0)
+        outputs[COURSE] = generate(ours, prompt, new_tokens, eos_token_id=())
 
     def hf():
         with torch.inference_mode():

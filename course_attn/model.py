@@ -16,6 +16,7 @@ then feeds one token per step (chapter 8). A model with a ``window`` may keep a 
 layer instead (``model.new_rolling_caches``, chapter 11): fixed memory, however long the sequence.
 """
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ from .arguments import check_non_negative_ints, check_positive_ints
 from .kv_cache import KVCache, RollingKVCache, is_kv_cache
 from .multihead import MultiHeadAttention
 
-__all__ = ["GPT", "GPTConfig", "generate", "queries_keys_values"]
+__all__ = ["GPT", "GPTConfig", "GenerationConfig", "generate", "queries_keys_values"]
 
 
 @dataclass
@@ -93,14 +94,15 @@ class Block(nn.Module):
             self.mlp = None
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None,
-                cache: KVCache | RollingKVCache | None = None, return_weights: bool = False
-                ) -> tuple[Tensor, Tensor | None]:
+                cache: KVCache | RollingKVCache | None = None, return_weights: bool = False,
+                attn_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """x: (B, T, C) -> (x: (B, T, C), attention weights (B, H, T, S) or None).
 
         ``positions`` (T,): where the tokens sit, for RoPE. ``cache``: this layer's KV cache
-        (then S = the cached length after x's tokens are added, else S = T)."""
+        (then S = the cached length after x's tokens are added, else S = T). ``attn_mask``:
+        broadcastable to (B, H, T, S), True where a query may attend (besides the causal rule)."""
         attended = self.attn(self.attn_norm(x), is_causal=True, positions=positions,
-                             cache=cache, return_weights=return_weights)
+                             cache=cache, return_weights=return_weights, attn_mask=attn_mask)
         attended, weights = attended if return_weights else (attended, None)
         x = x + attended
         if self.mlp is not None:
@@ -108,8 +110,25 @@ class Block(nn.Module):
         return x, weights
 
 
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What ``generate`` reads from a model when not told: the tokens that end a sequence
+    (``eos_token_id``, none for the course's own models) and the one that pads a finished row
+    (``pad_token_id``; None: the first end token, as transformers). ``load_pretrained`` reads
+    them from a checkpoint's ``generation_config.json`` (or its ``config.json``)."""
+
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+
 class GPT(nn.Module):
     """A decoder-only transformer: token ids (B, T) -> next-token logits (B, T, V)."""
+
+    generation_config = GenerationConfig()
+    # what generate does once a sequence outgrows config.seq_len: "slide" (the course's models:
+    # keep the last seq_len tokens and read them afresh), "extend" (RoPE positions run on past
+    # it, as transformers' do), "refuse" (learned positions end there: transformers raises)
+    past_seq_len = "slide"
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -150,13 +169,23 @@ class GPT(nn.Module):
         return [block.attn.new_rolling_cache(batch_size, sinks=sinks, dtype=dtype, device=device)
                 for block in self.blocks]
 
+    def generate(self, idx: Tensor, max_new_tokens: int, **options) -> Tensor:
+        """``generate(self, idx, max_new_tokens, **options)``, as transformers' method."""
+        return generate(self, idx, max_new_tokens, **options)
+
     def forward(self, idx: Tensor, *, caches: list[KVCache | RollingKVCache] | None = None,
-                return_attention: bool = False,
-                last_only: bool = False) -> Tensor | tuple[Tensor, list[Tensor]]:
+                return_attention: bool = False, last_only: bool = False,
+                attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None) -> Tensor | tuple[Tensor, list[Tensor]]:
         """idx: (B, T) long -> logits (B, T, V); with ``return_attention`` also, for each layer,
         its attention weights (B, H, T, S). ``last_only``: the logits of the last position only,
         (B, 1, V), all that generation reads (the output layer is the largest product of a
         small model's step: a prefill of T tokens would pay it T times).
+
+        ``attention_mask`` (B, S) bool or 0/1, as transformers': False/0 for a key to ignore
+        (left padding), for every token cached and new. ``position_ids`` (B, T): the positions
+        of learned position embeddings, when they are not the slots (left padding); RoPE reads
+        the slots, as only differences of positions reach its scores.
 
         ``caches`` (one ``KVCache`` per layer, from ``new_caches``): idx holds the next T tokens
         of sequences whose first len(caches[0]) tokens are cached; they sit at positions
@@ -182,18 +211,36 @@ class GPT(nn.Module):
         t = idx.shape[1]
         if t < 1:
             raise ValueError(f"idx must hold at least one token, got shape {tuple(idx.shape)}")
-        if self.position_embedding is not None and start + t > self.config.seq_len:
+        if position_ids is not None and (not isinstance(position_ids, Tensor)
+                                         or position_ids.shape != idx.shape):
+            raise ValueError(f"position_ids must be a tensor of idx's shape {tuple(idx.shape)}")
+        if (self.position_embedding is not None and position_ids is None
+                and start + t > self.config.seq_len):
             cached = f" after {start} cached tokens, at positions up to {start + t - 1}," if start else ""
             raise ValueError(f"sequence length T={t}{cached} must be in [1, seq_len="
                              f"{self.config.seq_len}] (learned positions stop at seq_len)")
         positions = torch.arange(start, start + t, device=idx.device)
+        keys = None
+        if attention_mask is not None:
+            if (not isinstance(attention_mask, Tensor)
+                    or attention_mask.shape != (idx.shape[0], start + t)):
+                raise ValueError(f"attention_mask must be (B, S) = ({idx.shape[0]}, {start + t})"
+                                 " for every cached and new token, got " + (
+                                     str(tuple(attention_mask.shape))
+                                     if isinstance(attention_mask, Tensor)
+                                     else type(attention_mask).__name__))
+            keys = attention_mask.bool()[:, None, None, :]                 # (B, 1, 1, S)
         x = self.token_embedding(idx)                                        # (B, T, C)
         if self.position_embedding is not None:
-            x = x + self.position_embedding(positions)
+            learned = positions if position_ids is None else position_ids
+            if int(learned.max()) >= self.config.seq_len:
+                raise ValueError(f"position {int(learned.max())} is past seq_len="
+                                 f"{self.config.seq_len} (learned positions stop at seq_len)")
+            x = x + self.position_embedding(learned)
         attention = []
         for i, block in enumerate(self.blocks):
             x, weights = block(x, positions=positions, return_weights=return_attention,
-                               cache=None if caches is None else caches[i])
+                               cache=None if caches is None else caches[i], attn_mask=keys)
             attention.append(weights)
         if last_only:
             x = x[:, -1:]
@@ -225,47 +272,112 @@ def queries_keys_values(model: GPT, idx: Tensor) -> list[tuple[Tensor, Tensor, T
             for block, x in zip(model.blocks, inputs)]
 
 
-def _sample(logits: Tensor, temperature: float, top_k: int | None,
-            generator: torch.Generator | None) -> Tensor:
-    """The next token of each row, logits (B, V) -> (B, 1): argmax at temperature 0, else drawn
-    from softmax(logits / temperature) restricted to the ``top_k`` largest."""
-    if temperature == 0:
+def _next_token(logits: Tensor, do_sample: bool, temperature: float, top_k: int | None,
+                top_p: float | None, generator: torch.Generator | None) -> Tensor:
+    """The next token of each row, logits (B, V) -> (B, 1): the argmax (greedy), or with
+    ``do_sample`` a draw from softmax(logits / temperature) restricted to the ``top_k`` largest
+    and then to the smallest set whose probability reaches ``top_p``: transformers' logits
+    warpers, in their order, in float32."""
+    if not do_sample or temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
     if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ascending, order = torch.sort(scores)
+        dropped = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        dropped[:, -1] = False                                      # the most likely stays
+        scores = scores.masked_fill(dropped.scatter(1, order, dropped), float("-inf"))
+    return torch.multinomial(F.softmax(scores, dim=-1), 1, generator=generator)
 
 
-def _cache_and_predict(model: GPT, tokens: Tensor, caches: list[KVCache],
-                       chunk: int | None) -> Tensor:
+def _cache_and_predict(model: GPT, tokens: Tensor, caches: list[KVCache], chunk: int | None,
+                       mask: Tensor | None, positions: Tensor | None) -> Tensor:
     """Run tokens (B, T) through the model, appending their keys and values to the caches,
     ``chunk`` tokens per forward (all at once for None) -> the logits after the last, (B, V):
-    the prefill of a prompt, and each decode step's one new token."""
+    the prefill of a prompt, and each decode step's one new token. ``mask`` (B, S): which of
+    the cached and new tokens are real (None: all); ``positions`` (B, T): learned positions."""
     chunk = tokens.shape[1] if chunk is None else chunk
+    cached = len(caches[0])
     for start in range(0, tokens.shape[1], chunk):
-        logits = model(tokens[:, start:start + chunk], caches=caches, last_only=True)  # (B, 1, V)
+        end = min(start + chunk, tokens.shape[1])
+        logits = model(tokens[:, start:end], caches=caches, last_only=True,    # (B, 1, V)
+                       attention_mask=None if mask is None else mask[:, :cached + end],
+                       position_ids=None if positions is None else positions[:, start:end])
     return logits[:, -1]
 
 
-def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None,
+def _token_ids(value, name: str) -> tuple[int, ...]:
+    ids = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    if (not isinstance(ids, (tuple, list)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+        raise ValueError(f"{name} must be a token id, a list of them or (), got {value!r}")
+    return tuple(ids)
+
+
+def _check_prompt(idx, attention_mask) -> Tensor | None:
+    """ValueError (one line) unless idx is (B, T) long and attention_mask None or its (B, T)
+    left padding; the mask as bool, None when it pads nothing."""
+    if not isinstance(idx, Tensor):
+        raise ValueError(f"idx must be a (B, T) torch.long tensor of token ids, got a "
+                         f"{type(idx).__name__}: torch.tensor([ids]) makes a batch of one")
+    if idx.dim() != 2 or idx.dtype != torch.long or idx.shape[1] == 0:
+        hint = ": idx[None] makes a batch of one" if idx.dim() == 1 else ""
+        raise ValueError(f"idx must be a (B, T) torch.long tensor of token ids with T >= 1, got "
+                         f"shape {tuple(idx.shape)} dtype {idx.dtype}{hint}")
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or attention_mask.shape != idx.shape:
+        got = (tuple(attention_mask.shape) if isinstance(attention_mask, Tensor)
+               else type(attention_mask).__name__)
+        raise ValueError(f"attention_mask must have idx's shape {tuple(idx.shape)}, got {got}")
+    mask = attention_mask.to(idx.device).bool()
+    if not torch.equal(mask, attention_mask.to(idx.device) != 0) or not mask[:, -1].all():
+        raise ValueError("attention_mask must be 1 for tokens and 0 for padding, padded on the "
+                         "left (tokenizer.padding_side = 'left'), as transformers' generate needs")
+    if not torch.equal(mask, mask.int().cummax(dim=1).values.bool()):
+        raise ValueError("attention_mask pads a row between tokens or on the right: generate "
+                         "needs left padding (tokenizer.padding_side = 'left')")
+    return None if mask.all() else mask
+
+
+def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, do_sample: bool = False,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             generator: torch.Generator | None = None, eos_token_id=None,
+             pad_token_id: int | None = None, attention_mask: Tensor | None = None,
              use_cache: bool = True, prefill_chunk: int | None = None, rolling: bool = False,
              sinks: int = 0) -> Tensor:
-    """Extend idx (B, T) by ``max_new_tokens`` sampled tokens -> (B, T + max_new_tokens).
+    """Extend idx (B, T) by at most ``max_new_tokens`` tokens -> (B, T + n), n <= max_new_tokens.
 
-    Each new token is drawn from softmax(logits / temperature) of the model's last position,
-    restricted to the ``top_k`` most likely tokens when given; ``temperature == 0`` is greedy
-    (always the most likely token). ``generator`` must live on idx's device. The model sees the
-    last ``seq_len`` tokens at most.
+    Transformers' conventions, under its names: greedy (the most likely token) unless
+    ``do_sample=True``; then each token is drawn from softmax(logits / temperature), restricted
+    to the ``top_k`` most likely tokens when given, then to the smallest set of them whose
+    probability reaches ``top_p`` when given (transformers' order, in float32). ``generator``
+    (on idx's device) seeds the draws; None draws from torch's global generator, as transformers
+    does. ``temperature=0`` is greedy too (the course's older spelling). Unlike transformers,
+    a checkpoint's ``generation_config.json`` sets no sampling: only its end and pad tokens, and
+    ``top_k`` has no default (transformers' is 50).
+
+    ``eos_token_id`` (an id or a list; None: ``model.generation_config``'s, () for none): a row
+    that generates one is finished; the batch goes on for the others, a finished row gets
+    ``pad_token_id`` (None: the model's, else the first end token), and generation stops once
+    every row is finished. ``attention_mask`` (B, T), 1 for tokens and 0 for padding: a batch of
+    prompts of different lengths, padded on the left; the padding is never attended to, and each
+    row's tokens equal those of its prompt alone, as transformers'.
 
     ``use_cache=True``: the prompt is run once (the prefill, ``prefill_chunk`` tokens per forward
     when given), its keys and values kept in one ``KVCache`` per layer, and then each step runs
-    only the newest token. Once the sequence outgrows ``seq_len``, every token's position shifts
-    at each step, so nothing cached stays valid: each step then prefills the last ``seq_len``
-    tokens afresh. ``use_cache=False`` runs the whole sequence at every step. Both give the same
-    logits, up to float rounding, so greedy decoding gives the same tokens.
+    only the newest token. ``use_cache=False`` runs the whole sequence at every step. Both give
+    the same logits, up to float rounding, so greedy decoding gives the same tokens.
+
+    Past ``config.seq_len`` (``model.past_seq_len``): the course's own models slide, seeing the
+    last ``seq_len`` tokens, read afresh (every token's position shifts at each step, so nothing
+    cached stays valid); a checkpoint with RoPE goes on with positions past its
+    max_position_embeddings, as transformers' does; one with learned positions (GPT-2) is refused
+    before anything runs (transformers raises an IndexError).
 
     ``rolling=True`` (a model with a ``window``): one ``RollingKVCache`` per layer, keeping the
     last ``window`` tokens and the first ``sinks`` (attention sinks). The whole prompt is
@@ -273,11 +385,30 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float
     and with RoPE the sequence may grow past ``seq_len`` (learned positions: ValueError). With
     ``sinks=0`` this gives the tokens of the full cache with the window mask.
     """
+    mask = _check_prompt(idx, attention_mask)
     check_non_negative_ints(max_new_tokens=max_new_tokens)
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
     if top_k is not None:
         check_positive_ints(top_k=top_k)
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if not do_sample and (temperature not in (0, 1) or top_k not in (None, 1)
+                          or top_p not in (None, 1) or generator is not None):
+        warnings.warn("generate is greedy unless do_sample=True (as transformers' generate): "
+                      "temperature, top_k, top_p and generator are not used", stacklevel=2)
+    config = getattr(model, "generation_config", GenerationConfig())
+    eos = config.eos_token_id if eos_token_id is None else _token_ids(eos_token_id,
+                                                                      "eos_token_id")
+    pad = config.pad_token_id if pad_token_id is None else pad_token_id
+    if pad is None and eos:
+        pad = eos[0]
+    if eos:
+        check_non_negative_ints(pad_token_id=pad)
     if prefill_chunk is not None:
         check_positive_ints(prefill_chunk=prefill_chunk)
     check_non_negative_ints(sinks=sinks)
@@ -285,6 +416,9 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float
         raise ValueError(f"sinks={sinks} are kept by a rolling cache: pass rolling=True too")
     if rolling and not use_cache:
         raise ValueError("rolling=True asks for a rolling KV cache, but use_cache=False")
+    if rolling and mask is not None:
+        raise ValueError("rolling=True keeps no padding mask: generate padded prompts with "
+                         "rolling=False, or one prompt at a time")
     if rolling:
         if model.config.window is None:
             raise ValueError("rolling=True needs a model with a window (config.window); this "
@@ -294,39 +428,102 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, temperature: float
             raise ValueError(f"learned positions stop at seq_len={model.config.seq_len}, but "
                              f"rolling=True keeps every token at its own position, up to "
                              f"{end - 1}: use position='rope', or rolling=False")
+    if model.past_seq_len == "refuse" and max_new_tokens:
+        real = idx.shape[1] if mask is None else int(mask.sum(dim=1).max())
+        last = real + max_new_tokens - 2              # the last position the model reads
+        if last >= model.config.seq_len:
+            raise ValueError(f"a prompt of {real} tokens and max_new_tokens={max_new_tokens} "
+                             f"reach position {last}, past the model's {model.config.seq_len} "
+                             "learned positions (transformers raises too): shorten either")
     # inference mode: no autograd bookkeeping at all, which is most of a small decode step's
     # cost; the clone makes the result an ordinary tensor, usable in training afterwards
     with torch.inference_mode():
-        out = _generate(model, idx, max_new_tokens, temperature, top_k, generator, use_cache,
-                        prefill_chunk, sinks if rolling else None)
+        out = _generate(model, idx, max_new_tokens, _Sampling(
+            do_sample, temperature, top_k, top_p, generator), eos, pad, mask, use_cache,
+            prefill_chunk, sinks if rolling else None)
     return out.clone()
 
 
-def _generate(model, idx, max_new_tokens, temperature, top_k, generator, use_cache,
-              prefill_chunk, rolling_sinks) -> Tensor:
-    """``generate``'s loop, its arguments checked; ``rolling_sinks`` is None for full caches."""
-    context = model.config.seq_len
+@dataclass(frozen=True)
+class _Sampling:
+    """``_next_token``'s options, checked."""
+
+    do_sample: bool
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    generator: torch.Generator | None
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        return _next_token(logits, self.do_sample, self.temperature, self.top_k, self.top_p,
+                           self.generator)
+
+
+def _learned_positions(mask: Tensor | None, model: GPT) -> Tensor | None:
+    """Each token's position among its row's real tokens (B, T), pads at 1 (transformers'
+    rule), for learned position embeddings; None when the slots are the positions."""
+    if mask is None or model.position_embedding is None:
+        return None
+    return (mask.long().cumsum(dim=1) - 1).masked_fill(~mask, 1)
+
+
+def _generate(model, idx, max_new_tokens, sample, eos, pad, mask, use_cache, prefill_chunk,
+              rolling_sinks) -> Tensor:
+    """``generate``'s loop, its arguments checked; ``rolling_sinks`` is None for full caches,
+    ``mask`` (B, T) None without padding."""
+    context = model.config.seq_len if model.past_seq_len == "slide" else None
+    end_ids = torch.tensor(eos, dtype=torch.long, device=idx.device)
+    finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+    if mask is not None:             # grown with the tokens, each step
+        mask = torch.cat([mask, mask.new_ones(idx.shape[0], max_new_tokens)], dim=1)
+
+    def window(t: int) -> slice:     # the tokens the model sees when the sequence is t long
+        return slice(0 if context is None else max(0, t - context), t)
+
+    def append(idx: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+        nonlocal finished
+        token = sample(logits)                                                   # (B, 1)
+        if eos:
+            token = token.masked_fill(finished[:, None], pad)
+            finished = finished | torch.isin(token[:, 0], end_ids)
+        return torch.cat([idx, token], dim=1), token
+
     if not use_cache:
         for _ in range(max_new_tokens):
-            logits = model(idx[:, -context:], last_only=True)[:, -1, :]        # (B, V)
-            idx = torch.cat([idx, _sample(logits, temperature, top_k, generator)], dim=1)
+            seen = window(idx.shape[1])
+            part = None if mask is None else mask[:, seen]
+            logits = model(idx[:, seen], last_only=True, attention_mask=part,
+                           position_ids=_learned_positions(part, model))[:, -1]   # (B, V)
+            idx, _ = append(idx, logits)
+            if eos and finished.all():
+                break
         return idx
     if max_new_tokens == 0:
         return idx
+    b = idx.shape[0]
     if rolling_sinks is not None:         # fixed memory, every token at its own position
-        caches = model.new_rolling_caches(idx.shape[0], sinks=rolling_sinks, device=idx.device)
-        pending = idx
+        caches = model.new_rolling_caches(b, sinks=rolling_sinks, device=idx.device)
     else:
-        capacity = min(idx.shape[1] + max_new_tokens - 1, context)
-        caches = model.new_caches(idx.shape[0], capacity, device=idx.device)
-        pending = idx[:, -context:]                   # tokens whose keys are not cached yet
+        capacity = idx.shape[1] + max_new_tokens - 1
+        caches = model.new_caches(b, capacity if context is None else min(capacity, context),
+                                  device=idx.device)
+    start = window(idx.shape[1]).start        # where the cached tokens begin in idx
+    pending = idx[:, start:]                  # tokens whose keys are not cached yet
+    positions = _learned_positions(None if mask is None else mask[:, start:idx.shape[1]], model)
     for _ in range(max_new_tokens):
-        if rolling_sinks is None and len(caches[0]) + pending.shape[1] > context:
-            # the model's context slides: start afresh
-            for cache in caches:
+        if context is not None and len(caches[0]) + pending.shape[1] > context:
+            for cache in caches:              # the model's context slides: start afresh
                 cache.reset()
-            pending = idx[:, -context:]
-        logits = _cache_and_predict(model, pending, caches, prefill_chunk)     # (B, V)
-        pending = _sample(logits, temperature, top_k, generator)                # (B, 1)
-        idx = torch.cat([idx, pending], dim=1)
+            start = window(idx.shape[1]).start
+            pending = idx[:, start:]
+            positions = _learned_positions(
+                None if mask is None else mask[:, start:idx.shape[1]], model)
+        logits = _cache_and_predict(model, pending, caches, prefill_chunk,
+                                    None if mask is None else mask[:, start:],
+                                    positions)                                     # (B, V)
+        if positions is not None:
+            positions = positions[:, -1:] + 1             # the next token's, after the last
+        idx, pending = append(idx, logits)
+        if eos and finished.all():
+            break
     return idx

@@ -48,6 +48,45 @@ def test_chat_prints_transformers_greedy_completion(folder_and_reference, capsys
     assert printed == expected
 
 
+def test_chat_stops_generating_at_the_checkpoints_end_token(folder_and_reference, tmp_path,
+                                                             capsys, monkeypatch):
+    """generation_config.json's end token stops the course's generate, as transformers': the
+    text is transformers' and no token is computed past the end."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import course_attn.model
+
+    source, _ = folder_and_reference
+    folder = tmp_path / "with-eos"
+    shutil.copytree(source, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = "w5 w17 w3 w99 w42"
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    greedy = AutoModelForCausalLM.from_pretrained(folder).generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    eos = int(greedy[0, ids.shape[1] + 3])                   # its 4th new token
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    theirs = AutoModelForCausalLM.from_pretrained(folder).generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert theirs.shape[1] <= ids.shape[1] + 4
+    lengths = []
+
+    def recorded(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        lengths.append(out.shape[1])
+        return out
+    generate = course_attn.model.generate
+    monkeypatch.setattr(course_attn.model, "generate", recorded)
+    assert chat.main([str(folder), "--prompt", prompt, "--max-new-tokens", "12"]) == 0
+    assert lengths == [theirs.shape[1]]
+    expected = tokenizer.decode(theirs[0, ids.shape[1]:-1], skip_special_tokens=True)
+    assert theirs[0, -1] == eos and len(expected.split()) >= 2
+    assert capsys.readouterr().out.strip() == expected
+
+
 def test_completion_stops_at_end_of_sequence():
     class Words:
         eos_token_id = 2
@@ -57,6 +96,7 @@ def test_completion_stops_at_end_of_sequence():
 
     assert chat.completion(Words(), [5, 7, 2, 9]) == "5 7"
     assert chat.completion(Words(), [5, 7, 9]) == "5 7 9"
+    assert chat.completion(Words(), [5, 7, 9, 2], eos=(9, 4)) == "5 7"
 
 
 def _run_chat(*args, env_extra):

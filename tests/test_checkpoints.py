@@ -166,12 +166,100 @@ def test_the_tolerance_catches_a_plausible_bug(checkpoints, name, bug):
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_greedy_tokens_equal_transformers_generate(checkpoints, reference_tokens, name):
+    """Greedy by default, as transformers' generate; temperature=0 (the course's older
+    spelling) is greedy too; model.generate is the function."""
     folder = checkpoints[name][0]
     idx = prompts(batch=2)
     theirs = reference_tokens(name)
-    ours = course_attn.generate(load_pretrained(folder), idx, 32, temperature=0)
+    model = load_pretrained(folder)
+    ours = model.generate(idx, 32)
     assert theirs.shape == (2, PROMPT_LEN + 32)
     assert torch.equal(ours, theirs)
+    assert torch.equal(course_attn.generate(model, idx, 32, temperature=0), theirs)
+
+
+def _with_generation_config(checkpoints, name, tmp_path, **fields):
+    folder = _copy(checkpoints, name, tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps(fields))
+    return folder
+
+
+def _transformers(folder):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_generation_stops_at_eos_as_transformers(checkpoints, reference_tokens, tmp_path, name):
+    """generation_config.json's end token stops a row; the other row goes on, the finished one
+    padded with pad_token_id; a batch whose rows all ended stops."""
+    greedy = reference_tokens(name)                     # without an end token
+    eos = int(greedy[0, PROMPT_LEN + 4])                 # row 0 generates it by its 5th token
+    assert eos not in greedy[1, PROMPT_LEN:PROMPT_LEN + 6].tolist()
+    folder = _with_generation_config(checkpoints, name, tmp_path, eos_token_id=[eos, 127],
+                                     pad_token_id=0)
+    model = load_pretrained(folder)
+    assert model.generation_config.eos_token_id == (eos, 127)
+    idx = prompts(batch=2)
+    theirs = _transformers(folder).generate(idx, attention_mask=torch.ones_like(idx),
+                                             max_new_tokens=32, do_sample=False)
+    ours = model.generate(idx, 32)
+    assert torch.equal(ours, theirs)
+    first = ours[0, PROMPT_LEN:].tolist().index(eos)
+    assert first <= 4 and set(ours[0, PROMPT_LEN + first + 1:].tolist()) <= {0}
+    alone = model.generate(idx[:1], 32)                   # one row: it stops at its end token
+    assert torch.equal(alone, ours[:1, :PROMPT_LEN + first + 1])
+    assert model.generate(idx[:1], 32, eos_token_id=()).shape == (1, PROMPT_LEN + 32)
+
+
+def left_padded(lengths, pad=0, seed=1):
+    """Prompts of these lengths, padded on the left to the longest: ids (B, T), mask (B, T)."""
+    rows = [prompts(batch=1, length=n, seed=seed + i)[0] for i, n in enumerate(lengths)]
+    width = max(lengths)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    return ids, mask, rows
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_left_padded_batch_equals_transformers_and_each_prompt_alone(checkpoints, name):
+    """Prompts of 20, 11 and 6 tokens (Mistral's window is 8), padded on the left: each row's
+    32 greedy tokens are transformers' for the same batch, and the course's for that prompt
+    alone."""
+    folder, hf_model = checkpoints[name]
+    ids, mask, rows = left_padded([PROMPT_LEN, 11, 6])
+    theirs = hf_model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False,
+                               pad_token_id=0)
+    model = load_pretrained(folder)
+    ours = model.generate(ids, 32, attention_mask=mask)
+    assert torch.equal(ours, theirs)
+    for i, row in enumerate(rows):
+        assert torch.equal(ours[i, PROMPT_LEN:], model.generate(row[None], 32)[0, len(row):])
+    assert torch.equal(course_attn.generate(model, ids, 5, attention_mask=mask, use_cache=False),
+                       ours[:, :PROMPT_LEN + 5])
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0.7, top_k=20, top_p=0.9),
+                                     dict(top_p=0.8), dict(top_k=5), dict(temperature=1.3)],
+                         ids=["t0.7-k20-p0.9", "p0.8", "k5", "t1.3"])
+def test_seeded_sampling_draws_transformers_tokens(checkpoints, options):
+    """With the global generator seeded alike, do_sample=True draws transformers' tokens: the
+    same warpers (temperature, top-k, top-p, in that order, in float32) and one torch.multinomial
+    per step over the batch. top_k is given: transformers' default is 50, the course's none."""
+    folder, hf_model = checkpoints["llama"]
+    idx = prompts(batch=2)
+    options = {"top_k": None, **options}
+    torch.manual_seed(123)
+    theirs = hf_model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=32,
+                               do_sample=True, **options)
+    torch.manual_seed(123)
+    ours = load_pretrained(folder).generate(idx, 32, do_sample=True, **options)
+    assert torch.equal(ours, theirs)
+    greedy = load_pretrained(folder).generate(idx, 32)
+    assert not torch.equal(ours, greedy)                  # it did sample
 
 
 def test_mistral_rolling_cache_gives_transformers_tokens(checkpoints, reference_tokens):

@@ -200,17 +200,56 @@ def test_generate_length_and_greedy_determinism():
     assert torch.equal(out[:, :4], prompt)
     assert torch.equal(out, generate(model, prompt, 20, temperature=0))
     assert torch.equal(out[:, 4], model(prompt)[:, -1].argmax(-1))   # greedy = argmax
-    assert torch.equal(generate(model, prompt, 20, top_k=1), out)   # top-1 sampling is greedy
+    assert torch.equal(generate(model, prompt, 20), out)              # greedy by default
+    assert torch.equal(model.generate(prompt, 20), out)               # and as a method
+    assert torch.equal(generate(model, prompt, 20, do_sample=True, top_k=1), out)   # top-1
     assert generate(model, prompt, 0).shape == (2, 4)
 
 
 def test_generate_sampling_follows_the_generator():
     model = small_gpt()
     prompt = torch.randint(11, (4, 3))
-    first = generate(model, prompt, 8, generator=torch.Generator().manual_seed(1))
-    again = generate(model, prompt, 8, generator=torch.Generator().manual_seed(1))
+    first = generate(model, prompt, 8, do_sample=True, generator=torch.Generator().manual_seed(1))
+    again = generate(model, prompt, 8, do_sample=True, generator=torch.Generator().manual_seed(1))
     assert torch.equal(first, again)
     assert ((first >= 0) & (first < 11)).all()
+    assert not torch.equal(first, generate(model, prompt, 8))         # it did sample
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    """Probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.75 keeps the first two (0.8 >= 0.75),
+    top_p=0.5 the first alone; top_k=3 drops the last."""
+    from course_attn.model import _next_token
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(4000, 4)
+    def drawn(**options):
+        tokens = _next_token(logits, True, 1.0, options.get("top_k"), options.get("top_p"),
+                             torch.Generator().manual_seed(0))
+        return set(tokens.flatten().tolist())
+    assert drawn(top_p=0.75) == {0, 1}
+    assert drawn(top_p=0.5) == {0}
+    assert drawn(top_k=3) == {0, 1, 2}
+    assert drawn() == {0, 1, 2, 3}
+
+
+def test_sampling_options_without_do_sample_warn_and_stay_greedy():
+    model, prompt = small_gpt(), torch.randint(11, (2, 3))
+    with pytest.warns(UserWarning, match="greedy unless do_sample=True"):
+        out = generate(model, prompt, 6, temperature=0.7)
+    assert torch.equal(out, generate(model, prompt, 6))
+
+
+def test_eos_ends_a_row_and_pads_it():
+    """The course's GPT has no end token of its own; given one, a finished row is padded and
+    generation stops once every row has ended."""
+    model, prompt = small_gpt(), torch.randint(11, (2, 3), generator=torch.Generator().manual_seed(2))
+    greedy = generate(model, prompt, 8)
+    eos = int(greedy[0, 5])
+    out = generate(model, prompt, 8, eos_token_id=eos, pad_token_id=10)
+    end = greedy[0, 3:].tolist().index(eos) + 3
+    assert torch.equal(out[0, :end + 1], greedy[0, :end + 1])
+    assert (out[0, end + 1:] == 10).all()
+    row = greedy[1, 3:].tolist()
+    assert out.shape[1] == (8 + 3 if eos not in row else max(end, row.index(eos) + 3) + 1)
 
 
 def test_generate_errors():
@@ -223,6 +262,22 @@ def test_generate_errors():
         generate(model, prompt, 1, temperature=-0.5)
     with pytest.raises(ValueError, match="top_k must be a positive int, got 0"):
         generate(model, prompt, 1, top_k=0)
+    with pytest.raises(ValueError, match=r"top_p must be a number in \(0, 1\], got 1.5"):
+        generate(model, prompt, 1, top_p=1.5)
+    with pytest.raises(ValueError, match=r"got shape \(2,\) dtype torch.int64: idx\[None\] "
+                                         "makes a batch of one"):
+        generate(model, prompt[0], 1)
+    with pytest.raises(ValueError, match=r"got a list: torch.tensor\(\[ids\]\)"):
+        generate(model, [1, 2], 1)
+    with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+        generate(model, prompt, 1, eos_token_id="2")
+    with pytest.raises(ValueError, match="padded on the left"):
+        generate(model, prompt, 1, attention_mask=torch.tensor([[1, 0]]))
+    with pytest.raises(ValueError, match="between tokens or on the right"):
+        generate(model, torch.zeros(1, 3, dtype=torch.long), 1,
+                 attention_mask=torch.tensor([[1, 0, 1]]))
+    with pytest.raises(ValueError, match="attention_mask must have idx's shape"):
+        generate(model, prompt, 1, attention_mask=torch.ones(1, 3))
 
 
 # ---------------------------------------------------------------- data
