@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from .arguments import check_positive_ints
 from .timing import DTYPES, MAX_WARMUP, hardware, measure, spread, withheld_ratio
@@ -96,6 +97,8 @@ def run_hf_bench(folder, *, new_tokens: int = 256, prompt_len: int = 16, batch: 
     # round_ratios: the course's time over transformers' in each round; speed is the inverse
     speedups = [1 / r for r in results[COURSE].round_ratios]
     same = torch.equal(outputs[COURSE], outputs[TRANSFORMERS])
+    why = None if same else why_tokens_differ(ours, outputs[COURSE], outputs[TRANSFORMERS],
+                                              prompt_len)
     return {
         "folder": str(folder), "parameters": sum(p.numel() for p in ours.parameters()),
         "architecture": ours.config.architecture, "dtype": dtype, "batch": batch,
@@ -106,9 +109,27 @@ def run_hf_bench(folder, *, new_tokens: int = 256, prompt_len: int = 16, batch: 
         "tokens_per_s": {name: tokens / (results[name].time_ms / 1000) for name in results},
         "round_speedups": speedups,
         "speedup": withheld_ratio(speedups)[0],
-        "speedup_spread": spread(speedups), "same_tokens": same,
+        "speedup_spread": spread(speedups), "same_tokens": same, "why_tokens_differ": why,
         "hardware": hardware("cpu"),
     }
+
+
+def why_tokens_differ(model, ours: Tensor, theirs: Tensor, prompt_len: int) -> str:
+    """Where two greedy generations (B, T) first part, and whether the course's logits there
+    are a near tie between the two tokens (float rounding decides) or far apart (the models
+    differ)."""
+    if ours.shape != theirs.shape:
+        return f"the course made {ours.shape[1]} tokens, transformers {theirs.shape[1]}"
+    row, col = (ours != theirs).nonzero()[0].tolist()
+    with torch.inference_mode():
+        logits = model(ours[row:row + 1, :col], last_only=True)[0, -1].float()
+    a, b = int(ours[row, col]), int(theirs[row, col])
+    gap = float(logits[a] - logits[b])
+    scale = float(logits.abs().max())
+    kind = ("a near tie, which float rounding decides"
+            if abs(gap) <= 1e-3 * max(scale, 1.0) else "far apart: the two models differ")
+    return (f"row {row}, new token {col - prompt_len}: the course chose {a}, transformers {b}; "
+            f"the course's logits for the two differ by {abs(gap):.2g} ({kind})")
 
 
 def format_report(report: dict) -> str:
@@ -130,7 +151,8 @@ def format_report(report: dict) -> str:
     else:
         lines.append(f"  ratio course / transformers: {report['speedup']:.2f}x tokens/s "
                      f"(per round: {rounds})")
-    lines.append(f"  same greedy tokens: {'yes' if report['same_tokens'] else 'NO'}")
+    lines.append(f"  same greedy tokens: {'yes' if report['same_tokens'] else 'NO'}"
+                 + ("" if report["same_tokens"] else f" ({report['why_tokens_differ']})"))
     hw = report["hardware"]
     lines.append(f"  on {hw['cpu']}, {hw['cpu_count']} cores, torch {hw['torch']}")
     return "\n".join(lines)

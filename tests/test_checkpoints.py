@@ -178,6 +178,38 @@ def test_greedy_tokens_equal_transformers_generate(checkpoints, reference_tokens
     assert torch.equal(course_attn.generate(model, idx, 32, temperature=0), theirs)
 
 
+@pytest.mark.parametrize("architecture, options", [
+    ("llama", dict(rope_parameters=LLAMA3_ROPE)), ("qwen3", {}),
+    ("mistral", dict(sliding_window=WINDOW))])
+def test_rope_generation_goes_on_past_max_position_embeddings(tmp_path, architecture, options):
+    """Trained on 24 positions, asked for 20 + 32: transformers goes on with positions 24, 25,
+    ... (RoPE computes any position); so does the course, token for token."""
+    hf_model = save_random_checkpoint(tmp_path, architecture, seed=3, max_position_embeddings=24,
+                                      **options)
+    idx = prompts(batch=2)
+    theirs = hf_model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=32,
+                               do_sample=False)
+    model = load_pretrained(tmp_path)
+    assert model.config.seq_len == 24
+    assert torch.equal(model.generate(idx, 32), theirs)
+    assert torch.equal(course_attn.generate(model, idx, 32, use_cache=False), theirs)
+
+
+def test_gpt2_past_n_positions_is_refused_as_transformers_refuses(tmp_path):
+    hf_model = save_random_checkpoint(tmp_path, "gpt2", seed=4, n_positions=32)
+    idx = prompts(batch=1)                               # 20 tokens: 20 + 13 - 1 > 32
+    with pytest.raises(IndexError):
+        hf_model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=14,
+                          do_sample=False)
+    model = load_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"reach position 32, past the model's 32 learned "
+                                         r"positions \(transformers raises too\)"):
+        model.generate(idx, 14)
+    theirs = hf_model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=13,
+                               do_sample=False)
+    assert torch.equal(model.generate(idx, 13), theirs)  # up to the last position, as theirs
+
+
 def _with_generation_config(checkpoints, name, tmp_path, **fields):
     folder = _copy(checkpoints, name, tmp_path)
     (folder / "generation_config.json").write_text(json.dumps(fields))

@@ -62,3 +62,27 @@ def test_transformers_static_cache_is_an_option(folder):
     assert "transformers generate (static cache)" in hf_bench.format_report(report)
     with pytest.raises(ValueError, match="hf_cache must be one of"):
         hf_bench.run_hf_bench(folder, hf_cache="paged")
+
+
+def test_a_difference_in_tokens_is_explained(folder):
+    """Where the two generations part, and whether the course's logits there are a near tie
+    (rounding) or far apart (the models differ)."""
+    import torch
+
+    from course_attn.checkpoints import load_pretrained
+
+    model = load_pretrained(folder)
+    prompt = torch.randint(0, 128, (2, 4), generator=torch.Generator().manual_seed(0))
+    ours = model.generate(prompt, 6)
+    theirs = ours.clone()
+    logits = model(ours[1:, :6], last_only=True)[0, -1]
+    theirs[1, 6] = int(logits.argmin())                  # the least likely token instead
+    why = hf_bench.why_tokens_differ(model, ours, theirs, 4)
+    assert why.startswith(f"row 1, new token 2: the course chose {int(ours[1, 6])}, "
+                          f"transformers {int(logits.argmin())}")
+    assert "far apart: the two models differ" in why
+    report = {"same_tokens": False, "why_tokens_differ": why}
+    assert "the course made 10 tokens, transformers 8" == hf_bench.why_tokens_differ(
+        model, ours, ours[:, :8], 4)
+    assert report["why_tokens_differ"] in hf_bench.format_report({
+        **hf_bench.run_hf_bench(folder, new_tokens=2, prompt_len=2, repeats=3), **report})
