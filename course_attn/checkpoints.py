@@ -26,6 +26,7 @@ transformers is not imported here: safetensors reads the tensors, ``json`` the c
 """
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,17 +40,32 @@ from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
 __all__ = ["ARCHITECTURES", "CheckpointConfig", "CheckpointError", "PretrainedGPT",
-           "interleave_rows", "load_pretrained", "read_config", "read_generation_config",
-           "read_tensors", "save_random_checkpoint"]
+           "checkpoint_folder", "interleave_rows", "load_pretrained", "read_config",
+           "read_generation_config", "read_tensors", "save_random_checkpoint"]
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen3ForCausalLM": "qwen3", "GPT2LMHeadModel": "gpt2"}
 ROPE_SCALINGS = ("default", "linear", "llama3")          # rope_type values the course implements
-GATED_ACTIVATIONS = ("silu",)
+GATED_ACTIVATIONS = ("silu", "swish")                   # two names of one function
 # positions whose cos and sin are tabulated; later ones (up to max_position_embeddings, 128K for
 # Llama 3.1) are computed when met, so that the table is not hundreds of MB
 ROPE_TABLE = 4096
 GPT2_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+# config.json keys that change a model's maths, with the value at which they change nothing:
+# architectures the course does not load (Granite's multipliers, SmolLM3's and Llama 4's layers
+# without RoPE, Gemma's soft-capping, Cohere's logit scale, GPT-NeoX's parallel residual, ...),
+# which a checkpoint relabelled as Llama or Qwen3 would carry, read by nobody
+MATHS_KEYS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0,
+              "attention_multiplier": None, "logits_scaling": 1.0, "logit_scale": 1.0,
+              "final_logit_softcapping": None, "attn_logit_softcapping": None,
+              "query_pre_attn_scalar": None, "no_rope_layer_interval": None,
+              "attn_temperature_tuning": False, "use_qk_norm": False, "qk_layernorm": False,
+              "use_parallel_residual": False, "parallel_attn": False, "alibi": False,
+              "rotary_pct": 1.0, "layer_norm_type": None, "clip_qkv": None}
+# the files a checkpoint's weights may come in, besides *.safetensors: read by torch.load only
+PICKLED = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 
 
 class CheckpointError(ValueError):
@@ -124,6 +140,18 @@ def _architecture(raw: dict) -> str:
     return ARCHITECTURES[names[0]]
 
 
+def _check_maths_keys(raw: dict, architecture: str) -> None:
+    """CheckpointError naming the first key of config.json that changes the maths in a way the
+    course's ``architecture`` does not implement."""
+    for key, neutral in MATHS_KEYS.items():
+        if raw.get(key, neutral) != neutral:
+            raise _unsupported(key, raw[key], architecture)
+    if not all(raw.get("no_rope_layers") or [1]):
+        raise _unsupported("no_rope_layers", raw["no_rope_layers"], architecture)
+    if architecture in ("llama", "gpt2") and raw.get("sliding_window") is not None:
+        raise _unsupported("sliding_window", raw["sliding_window"], architecture)
+
+
 def _gpt2_config(raw: dict) -> CheckpointConfig:
     for option in ("add_cross_attention", "reorder_and_upcast_attn"):
         if raw.get(option):
@@ -184,6 +212,7 @@ def read_config(folder) -> CheckpointConfig:
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face checkpoint folder")
     raw = _read_json(path)
     architecture = _architecture(raw)
+    _check_maths_keys(raw, architecture)
     try:
         return _gpt2_config(raw) if architecture == "gpt2" else _rotary_config(raw, architecture)
     except KeyError as missing:
@@ -372,6 +401,8 @@ def _gpt2_tensors(config: CheckpointConfig, get) -> dict[str, Tensor]:
         for ln, norm in (("ln_1", "attn_norm"), ("ln_2", "mlp_norm")):
             out[f"{ours}{norm}.weight"] = get(f"{theirs}{ln}.weight")
             out[f"{ours}{norm}.bias"] = get(f"{theirs}{ln}.bias")
+    if not config.tie_embeddings:          # its own head, outside "transformer."
+        out["lm_head.weight"] = get("lm_head.weight", prefixed=False)
     return out
 
 
@@ -381,41 +412,74 @@ IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
+    """The files transformers reads: the shards that ``model.safetensors.index.json`` lists, else
+    ``model.safetensors`` (any other *.safetensors beside them is not the model's, as for
+    transformers)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map: restore it from the checkpoint's "
+                                  "source")
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise CheckpointError(f"{folder} lacks shard {missing[0]}, listed in {index.name}")
         return [folder / s for s in shards]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder} has no *.safetensors file (the course reads only "
-                              "safetensors, not pytorch_model.bin)")
-    return files
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    others = sorted(p.name for p in folder.glob("*.safetensors"))
+    if others:
+        raise CheckpointError(f"{folder} has {', '.join(others)} but no model.safetensors (or "
+                              "model.safetensors.index.json), the file transformers reads: "
+                              "rename the model's weights to model.safetensors")
+    pickled = sorted(p.name for pattern in PICKLED for p in folder.glob(pattern))
+    if pickled:
+        raise CheckpointError(
+            f"{folder} holds its weights in {pickled[0]}, which the course does not read (only "
+            "safetensors, which cannot run code when loaded): convert it once with "
+            "transformers, AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder)")
+    raise CheckpointError(f"{folder} has no model.safetensors: no weights to load")
+
+
+def _read_files(folder: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Every tensor of the checkpoint's files, memory-mapped, by name; and each one's file."""
+    from safetensors.torch import load_file
+    tensors: dict[str, Tensor] = {}
+    files: dict[str, str] = {}
+    for path in _safetensors_files(folder):
+        try:
+            found = load_file(path)
+        except Exception as error:       # safetensors' own SafetensorError, OSError, ...
+            raise CheckpointError(f"{path} is not a readable safetensors file "
+                                  f"({str(error).splitlines()[0] if str(error) else error!r}): "
+                                  "download it again") from None
+        tensors.update(found)
+        files.update(dict.fromkeys(found, path.name))
+    return tensors, files
 
 
 def read_tensors(folder) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint's safetensors files (sharded or not), by name."""
-    from safetensors.torch import load_file
-    tensors: dict[str, Tensor] = {}
-    for path in _safetensors_files(Path(folder)):
-        tensors.update(load_file(path))
-    return tensors
+    """Every tensor of the checkpoint's safetensors files (sharded or not), by name,
+    memory-mapped (read from the file when first used)."""
+    return _read_files(Path(folder))[0]
 
 
-def _course_state(config: CheckpointConfig, model: PretrainedGPT,
-                  tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+def _course_state(config: CheckpointConfig, model: PretrainedGPT, tensors: dict[str, Tensor],
+                  files: dict[str, str] | None = None) -> dict[str, Tensor]:
     """The checkpoint's tensors under the course's names and in its layouts, every one checked:
-    none missing, none left over, each of the shape the course's module has."""
+    none missing, none left over, each of the shape the course's module has. ``files``: each
+    tensor's file, named in the errors."""
+    files = files or {}
     prefix = "transformer." if config.architecture == "gpt2" else ""
     if prefix and not any(k.startswith(prefix) for k in tensors):
         prefix = ""                      # the hub's GPT-2 names its tensors without the prefix
     used: set[str] = set()
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
-    def get(name: str, shape: tuple | None = None, transpose: bool = False) -> Tensor:
-        full = prefix + name
+    def get(name: str, shape: tuple | None = None, transpose: bool = False,
+            prefixed: bool = True) -> Tensor:
+        full = prefix + name if prefixed else name
         if full not in tensors:
             raise CheckpointError(f"the checkpoint lacks tensor {full!r}, which a "
                                   f"{config.architecture} of this config.json needs")
@@ -437,8 +501,10 @@ def _course_state(config: CheckpointConfig, model: PretrainedGPT,
             used.add("lm_head.weight")        # saved anyway by some exporters: the same tensor
     left = sorted(k for k in tensors if k not in used and not k.endswith(IGNORED_SUFFIXES))
     if left:
-        raise CheckpointError(f"the checkpoint has tensor {left[0]!r} (and {len(left) - 1} more "
-                              f"unused), which the course's {config.architecture} does not use")
+        where = f" in {files[left[0]]}" if left[0] in files else ""
+        raise CheckpointError(f"the checkpoint has tensor {left[0]!r}{where} (and {len(left) - 1}"
+                              f" more unused), which the course's {config.architecture} does "
+                              "not use")
     for name, t in state.items():
         want = expected.get(name)
         if tuple(t.shape) != want:
@@ -455,9 +521,31 @@ def _course_state(config: CheckpointConfig, model: PretrainedGPT,
     return state
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def checkpoint_folder(name) -> Path:
+    """``name`` as a folder: itself when it is a folder; a hub id ("owner/name") in
+    huggingface_hub's cache when it is there (nothing is downloaded); else CheckpointError."""
+    path = Path(name)
+    if path.is_dir() or path.exists() or not HUB_ID.fullmatch(str(name)):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(str(name), local_files_only=True))
+    except ImportError:
+        pass
+    except Exception:                     # not in the cache (LocalEntryNotFoundError), ...
+        pass
+    raise CheckpointError(f"{name} is no folder, and no hub id that huggingface_hub has "
+                          "downloaded: not downloaded (python -m course_attn.chat "
+                          f"{name} --prompt hi downloads it)")
+
+
 def load_pretrained(folder, *, dtype: torch.dtype | None = None, device=None,
                     backend: str = "sdpa", rope_layout: str = "half") -> PretrainedGPT:
-    """The model in a Hugging Face checkpoint ``folder``, built from the course's modules.
+    """The model in a Hugging Face checkpoint ``folder`` (or a hub id already downloaded by
+    huggingface_hub, ``checkpoint_folder``), built from the course's modules.
 
     ``dtype``: None keeps the checkpoint's (as stored), else a torch.dtype or its name
     ("bfloat16"); ``device``: default the CPU;
@@ -470,18 +558,18 @@ def load_pretrained(folder, *, dtype: torch.dtype | None = None, device=None,
     (a copy only for a ``dtype`` other than the stored one).
     ``CheckpointError`` (one line) for anything the course cannot load as it is.
     """
-    folder = Path(folder)
+    folder = checkpoint_folder(folder)
     dtype = _dtype(dtype)
     config = read_config(folder)
     generation = read_generation_config(folder)
-    tensors = read_tensors(folder)            # memory-mapped: read from the file when used
+    tensors, files = _read_files(folder)      # memory-mapped: read from the file when used
     if dtype is None:
         dtype = next(t.dtype for t in tensors.values() if t.dtype.is_floating_point)
     # built on the meta device (shapes, no memory), then handed the checkpoint's own tensors:
     # the weights are held once, in their dtype, never first drawn at random and then copied
     with torch.device("meta"):
         model = PretrainedGPT(config, backend=backend, rope_layout=rope_layout)
-    state = _course_state(config, model, tensors)
+    state = _course_state(config, model, tensors, files)
     del tensors
     cast: dict[int, Tensor] = {}              # by id: a tied embedding stays one tensor
     for name, t in state.items():

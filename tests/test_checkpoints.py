@@ -473,11 +473,98 @@ def _load_error(folder) -> str:
     ("qwen3", dict(use_sliding_window=True, sliding_window=4), "use_sliding_window=True"),
     ("gpt2", dict(add_cross_attention=True), "add_cross_attention=True"),
     ("gpt2", dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn=True"),
+    # what another architecture relabelled as one the course loads would carry
+    ("llama", dict(embedding_multiplier=12.0, residual_multiplier=0.22),
+     "embedding_multiplier=12.0"),                                          # Granite
+    ("llama", dict(logits_scaling=8.0), "logits_scaling=8.0"),              # Granite
+    ("qwen3", dict(attention_multiplier=0.0078125), "attention_multiplier=0.0078125"),
+    ("llama", dict(no_rope_layers=[1, 1, 1, 0]), "no_rope_layers=[1, 1, 1, 0]"),   # SmolLM3
+    ("llama", dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),  # Gemma 2
+    ("llama", dict(sliding_window=4), "sliding_window=4"),                  # a Mistral
+    ("gpt2", dict(use_parallel_residual=True), "use_parallel_residual=True"),       # GPT-NeoX
 ])
 def test_unsupported_config_is_one_line_naming_it(checkpoints, tmp_path, name, changes, message):
     folder = _copy(checkpoints, name, tmp_path)
     _edit_config(folder, **changes)
     assert message in _load_error(folder)
+
+
+def test_config_keys_at_their_neutral_value_load(checkpoints, tmp_path):
+    """A Llama that spells out SmolLM3's or Granite's keys at values that change nothing."""
+    folder = _copy(checkpoints, "llama", tmp_path)
+    _edit_config(folder, no_rope_layers=[1, 1], embedding_multiplier=1.0, sliding_window=None)
+    idx = prompts()
+    ours = course_logits(load_pretrained(folder), idx)
+    assert (ours - reference_logits(checkpoints["llama"][1], idx)).abs().max() <= ATOL
+
+
+def test_swish_is_silu(checkpoints, tmp_path):
+    folder = _copy(checkpoints, "llama", tmp_path)
+    _edit_config(folder, hidden_act="swish")
+    idx = prompts()
+    ours = course_logits(load_pretrained(folder), idx)
+    assert (ours - reference_logits(checkpoints["llama"][1], idx)).abs().max() <= ATOL
+
+
+def test_gpt2_with_its_own_lm_head_loads_it(tmp_path):
+    hf_model = save_random_checkpoint(tmp_path, "gpt2", seed=12, tie_word_embeddings=False)
+    model = load_pretrained(tmp_path)
+    assert model.lm_head.weight is not model.token_embedding.weight
+    idx = prompts()
+    assert (course_logits(model, idx) - reference_logits(hf_model, idx)).abs().max() <= ATOL
+
+
+def test_a_stray_safetensors_file_is_ignored_as_transformers_does(checkpoints, tmp_path):
+    """transformers reads model.safetensors (or the index's shards), nothing else; a folder
+    with weights under another name is refused naming the file."""
+    folder = _copy(checkpoints, "llama", tmp_path)
+    save_file({"lora_A.weight": torch.zeros(2, 2)}, folder / "adapter.safetensors")
+    idx = prompts()
+    ours = course_logits(load_pretrained(folder), idx)
+    assert (ours - reference_logits(checkpoints["llama"][1], idx)).abs().max() <= ATOL
+    (folder / "model.safetensors").rename(folder / "weights.safetensors")
+    message = _load_error(folder)
+    assert "has adapter.safetensors, weights.safetensors but no model.safetensors" in message
+    assert "rename the model's weights to model.safetensors" in message
+
+
+def test_malformed_config_and_corrupt_weights_name_the_file(checkpoints, tmp_path):
+    folder = _copy(checkpoints, "llama", tmp_path)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])                   # a download cut short
+    message = _load_error(folder)
+    assert message.startswith(f"{weights} is not a readable safetensors file (")
+    assert message.endswith("download it again")
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    message = _load_error(folder)
+    assert message.startswith(f"{folder / 'config.json'} is not valid JSON (")
+
+
+def test_dtype_by_name(checkpoints):
+    folder = checkpoints["llama"][0]
+    assert load_pretrained(folder, dtype="bfloat16").lm_head.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"^dtype must be a floating torch.dtype or its name "
+                                         r"\(torch.bfloat16 or 'bfloat16'\), got 'int8'$"):
+        load_pretrained(folder, dtype="int8")
+
+
+def test_a_hub_id_loads_from_huggingface_hubs_cache_or_says_not_downloaded(
+        checkpoints, tmp_path, monkeypatch):
+    """Nothing is downloaded: a hub id is found in huggingface_hub's cache (its layout:
+    models--owner--name/snapshots/<commit>, refs/main naming the commit), or refused."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    message = _load_error("someone/tiny-llama")
+    assert "not downloaded" in message and "someone/tiny-llama" in message
+    repo = tmp_path / "hub" / "models--someone--tiny-llama"
+    commit = "0" * 40
+    shutil.copytree(checkpoints["llama"][0], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    idx = prompts()
+    ours = course_logits(load_pretrained("someone/tiny-llama"), idx)
+    assert (ours - reference_logits(checkpoints["llama"][1], idx)).abs().max() <= ATOL
 
 
 def test_missing_tensor_is_named(checkpoints, tmp_path):
@@ -490,7 +577,8 @@ def test_unexpected_tensor_is_named(checkpoints, tmp_path):
     folder = _copy(checkpoints, "qwen3", tmp_path)
     _edit_tensors(folder, lambda t: t.update({"model.layers.0.self_attn.gate.weight":
                                               torch.zeros(4)}))
-    assert "has tensor 'model.layers.0.self_attn.gate.weight'" in _load_error(folder)
+    assert ("has tensor 'model.layers.0.self_attn.gate.weight' in model.safetensors"
+            in _load_error(folder))
 
 
 def test_shape_mismatch_is_named(checkpoints, tmp_path):
@@ -511,7 +599,9 @@ def test_not_a_checkpoint_folder(checkpoints, tmp_path):
     assert "no config.json" in _load_error(tmp_path)
     folder = _copy(checkpoints, "llama", tmp_path)
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
-    assert "no *.safetensors" in _load_error(folder)
+    message = _load_error(folder)
+    assert "holds its weights in pytorch_model.bin, which the course does not read" in message
+    assert "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder)" in message
     _edit_config(folder, num_attention_heads=None)
     del_config = json.loads((folder / "config.json").read_text())
     del del_config["num_attention_heads"]
