@@ -384,3 +384,38 @@ def test_once_confined_the_kernel_starts_no_process_and_keeps_its_threads(loop, 
             '''))
     finally:
         loop.run_until_complete(kernel.stop())
+
+
+def test_no_namespace_can_be_made_inside_and_the_init_is_known_by_its_pid(loop, tmp_path):
+    """Issue 41: a process that makes itself the first process of a user and PID namespace of
+    its own would pass for bubblewrap's init, which the grader spares when it confines the
+    kernel. The sandbox makes none (``--disable-userns``, where bubblewrap has it), the process
+    filter refuses ``unshare`` and ``setns`` from the first graded call on, and the grader
+    spares bubblewrap's init by the pid it recorded at start: the kernel's parent, process 1 of
+    the sandbox."""
+    kernel = Kernel(tmp_path, 2048)
+    loop.run_until_complete(kernel.start())
+    try:
+        from course_attn.grading import processes
+        assert processes.parent(kernel.pid) == kernel.init
+        assert processes.namespace_pid(kernel.init) == 1
+        if sandbox.disables_user_namespaces():
+            assert_holds(observe(loop, kernel, '''
+                import subprocess
+                done = subprocess.run(["unshare", "--user", "--pid", "--fork", "true"],
+                                      capture_output=True, text=True)
+                assert done.returncode != 0, "a user and PID namespace was made in the sandbox"
+                '''))
+        problem, _ = loop.run_until_complete(kernel.confine(LIMIT_S))
+        assert problem == "", problem
+        assert_holds(observe(loop, kernel, '''
+            import ctypes, os
+            libc = ctypes.CDLL(None, use_errno=True)
+            CLONE_NEWUSER, CLONE_NEWPID = 0x10000000, 0x20000000
+            for flags in (CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWUSER | CLONE_NEWPID):
+                assert libc.unshare(flags) == -1 and ctypes.get_errno() == EPERM, flags
+            fd = os.open("/proc/self/ns/user", os.O_RDONLY)
+            assert libc.setns(fd, 0) == -1 and ctypes.get_errno() == EPERM
+            ''', EPERM=errno.EPERM))
+    finally:
+        loop.run_until_complete(kernel.stop())

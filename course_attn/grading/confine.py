@@ -6,7 +6,8 @@ started in an earlier cell (a ``multiprocessing`` pool, a ``python -c`` fed thro
 compute what the guard refuses. So before the first graded call the grader ends every other
 process in the sandbox (``Kernel.confine``), and from then until the kernel ends it can start
 none: ``fork``, ``vfork``, ``execve``, ``execveat`` and a ``clone`` without ``CLONE_THREAD``
-fail with ``EPERM``. Threads stay allowed (torch's thread pools, ``threading``): a thread is a
+fail with ``EPERM``, and so do ``unshare`` and ``setns`` (no new namespace, whose first process
+would pass for the sandbox's own init, and no joining another). Threads stay allowed (torch's thread pools, ``threading``): a thread is a
 ``clone`` with ``CLONE_THREAD``. ``clone3`` passes its flags in memory, where a filter cannot
 read them, so it fails with ``ENOSYS`` and the C library falls back to ``clone``.
 
@@ -27,8 +28,9 @@ from pathlib import Path
 # architecture -> (AUDIT_ARCH_*, seccomp's syscall number, {process-making call: number})
 _ARCHES = {
     "x86_64": (0xC000003E, 317, {"clone": 56, "fork": 57, "vfork": 58, "execve": 59,
-                                 "execveat": 322, "clone3": 435}),
-    "aarch64": (0xC00000B7, 277, {"clone": 220, "execve": 221, "execveat": 281, "clone3": 435}),
+                                 "execveat": 322, "clone3": 435, "unshare": 272, "setns": 308}),
+    "aarch64": (0xC00000B7, 277, {"clone": 220, "execve": 221, "execveat": 281, "clone3": 435,
+                                  "unshare": 97, "setns": 268}),
 }
 _X32_BIT = 0x40000000
 CLONE_THREAD = 0x00010000
@@ -54,7 +56,7 @@ def program(machine: str | None = None) -> bytes:
                          (_LOAD, 0, 0, _NR)]
     if audit_arch == _ARCHES["x86_64"][0]:
         code.append((_JGE, "deny", 0, _X32_BIT))
-    for name in ("fork", "vfork", "execve", "execveat"):
+    for name in ("fork", "vfork", "execve", "execveat", "unshare", "setns"):
         if name in calls:
             code.append((_JEQ, "deny", 0, calls[name]))
     code += [(_JEQ, "nosys", 0, calls["clone3"]), (_JEQ, 0, "allow", calls["clone"]),

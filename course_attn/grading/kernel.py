@@ -29,9 +29,11 @@ import queue
 import secrets
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from jupyter_client.manager import AsyncKernelManager
@@ -86,6 +88,27 @@ def scratch_root() -> str:
     return base
 
 
+@cache
+def taken_module_names() -> frozenset[str]:
+    """The top-level module names a file beside a notebook may not take: the standard
+    library's, those of every distribution installed where the kernel runs (torch, numpy,
+    IPython, ipykernel, ...) and the course's own. A ``torch.py`` in the kernel's working folder
+    would be found before the real one by whatever imports torch next."""
+    from importlib.metadata import packages_distributions
+    return frozenset({*sys.stdlib_module_names, *packages_distributions(), PACKAGE_DIR.name,
+                      "__main__", "sitecustomize", "usercustomize"})
+
+
+def shadowing(file_name: str) -> str | None:
+    """Why the Python file ``file_name`` cannot be put beside a notebook (it has the name of a
+    module the kernel or the package can import), in one line; None when it can."""
+    module = file_name.removesuffix(".py")
+    if module in taken_module_names():
+        return (f"{file_name} was not put beside the notebook: it has the name of the module "
+                f"{module!r}, which the kernel or the course imports (rename it, and its imports)")
+    return None
+
+
 def copy_package(destination: Path) -> Path:
     """A copy of ``course_attn`` (sources only, without the chapters' exercise declarations)
     under ``destination``; returns the folder to put on ``PYTHONPATH``."""
@@ -138,7 +161,10 @@ class Kernel:
         self._drain = None
         self._idle = None
         self.pid = None          # the kernel's process, outside the sandbox's PID namespace
+        self.init = None         # bubblewrap's init in the sandbox (the kernel's parent)
         self.confined = False    # whether it can no longer start processes
+        self.own_threads: set[int] = set()  # its threads once the grader's side was installed
+        self.busy_threads: dict[int, str] = {}  # the others that ran during the last call
         for folder in (self.workdir, self.rundir, self.given):
             folder.mkdir(parents=True, exist_ok=True)
         self.site = copy_package(scratch)
@@ -178,7 +204,7 @@ class Kernel:
         asyncio.get_running_loop().add_reader(read, self._read_hits)  # an answer can be large
         self.km = _SandboxedKernelManager(kernel_name=KERNEL_NAME, transport="ipc",
                                           connection_file=str(connection_file))
-        self.pid, self.confined = None, False
+        self.pid, self.init, self.confined = None, None, False
         if self.sandboxed:
             self.km.prefix = self._sandbox_prefix()
             self.km.ip = f"/tmp/kernel-{self.token[:8]}-ipc"  # in the sandbox's own /tmp
@@ -203,15 +229,19 @@ class Kernel:
             log.close()
             os.close(write)
         self._drain = asyncio.ensure_future(self._drain_iopub())
+        # The harness, torch and all they import are loaded before the submission's files are
+        # put in the working folder, where ``import`` would look first.
         install = (f"import shutil as _s, types as _t\n"
-                   f"_s.copytree({str(self.given)!r}, '.', dirs_exist_ok=True)\n"
                    f"_c = _t.ModuleType('course_attn_confine')\n"
                    f"exec(compile({_CONFINE_SOURCE!r}, '<course_attn-confine>', 'exec'), "
                    f"_c.__dict__)\n_m = _t.ModuleType('course_attn_harness')\n"
                    f"exec(compile({_HARNESS_SOURCE!r}, '<course_attn-harness>', 'exec'), "
                    f"_m.__dict__)\n_m.install(globals(), {write}, {self.token!r}, "
-                   "_c.forbid_new_processes)\ndel _s, _t, _c, _m\n")
+                   "_c.forbid_new_processes)\n"
+                   f"_s.copytree({str(self.given)!r}, '.', dirs_exist_ok=True)\n"
+                   "del _s, _t, _c, _m\n")
         run = await self.run(install, KERNEL_STARTUP_TIMEOUT_S, history=False)
+        self.own_threads = set(processes.threads(self.pid))
         if run.status != "ok":
             what = f"{run.ename}: {run.evalue}" if run.ename else f"it {run.status}" + \
                 (f" ({run.evalue})" if run.evalue else "")
@@ -235,6 +265,7 @@ class Kernel:
                 if time.monotonic() > deadline or not await self._alive():
                     raise RuntimeError("the sandbox started no kernel")
                 await asyncio.sleep(0.01)
+        self.init = processes.parent(self.pid)  # bubblewrap's init, before any cell has run
         self.km.ip = f"/proc/{self.pid}/root{self.km.ip}"
         self.km._close_control_socket()  # it was connected to the path as the kernel sees it
         self.km._connect_control_socket()
@@ -263,9 +294,9 @@ class Kernel:
             problem = ""
         self.confined = not problem
         launched = self.km.provisioner.process.pid
-        if self.sandboxed:
-            keep = {launched, self.pid, *(p for p in processes.descendants(launched)
-                                         if processes.namespace_pid(p) == 1)}
+        if self.sandboxed:  # by the pids recorded at start: a process that made a PID
+            # namespace of its own would be number 1 in it, as bubblewrap's init is in the sandbox
+            keep = {launched, self.init, self.pid}
             ended = await asyncio.to_thread(processes.end_all_but, launched, keep)
         else:
             ended = await asyncio.to_thread(processes.end_all_but, self.pid, {self.pid},
@@ -419,11 +450,20 @@ class Kernel:
         """Run the harness on ``request`` (see ``harness.evaluate``); returns the run, the
         answer (None if none came back) and the banned operations reported as they
         happened. The answer is the one the harness wrote on the pipe, whatever the reply
-        says; a call that gave two is refused."""
+        says; a call that gave two is refused. ``busy_threads`` holds the threads of the
+        notebook's own (not the kernel's when the grader's side was installed) that were running
+        or used processor time during the call, as ``/proc`` shows them, which the notebook
+        cannot change."""
         self._read_hits()
         self.hits, self.answers = [], []
+        before = processes.threads(self.pid)
         run = await self.run("", limit_s, history=False,
                              expression=harness.expression(self.token, request))
+        after = processes.threads(self.pid)
+        self.busy_threads = {
+            tid: state.name for tid, state in after.items() if tid not in self.own_threads and
+            tid in before and ("R" in (state.state, before[tid].state) or
+                               state.ticks > before[tid].ticks)}
         self._read_hits()
         answer = None
         if run.status == "ok" and len(self.answers) > 1:
@@ -484,6 +524,8 @@ class Kernel:
                     await asyncio.to_thread(launched.wait, 5)
                 except Exception:
                     pass
+            if self.init is not None and processes.is_subreaper():  # and its init, adopted
+                await asyncio.to_thread(processes.reap_adopted, {self.init})
         if self.limits is not None:
             await asyncio.to_thread(self.limits.remove)
         if self._hits_fd is not None:

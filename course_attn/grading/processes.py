@@ -18,6 +18,8 @@ done by the kernel of the OS) would need a container to stop; see the threat mod
 import ctypes
 import os
 import signal
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 MARKER = "COURSE_ATTN_GRADING_RUN"
@@ -50,12 +52,41 @@ def _processes():
     for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
         if not entry.name.isdigit():
             continue
+        ppid = parent(int(entry.name))
+        if ppid is not None:
+            yield int(entry.name), ppid
+
+
+def parent(pid: int) -> int | None:
+    """The parent of process ``pid``; None when it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class ThreadState:
+    """A thread as ``/proc/<pid>/task/<tid>/stat`` shows it: its name, its state letter (R:
+    running or ready to run) and the processor time it has used, in clock ticks."""
+
+    name: str
+    state: str
+    ticks: int
+
+
+def threads(pid: int) -> dict[int, ThreadState]:
+    """Thread id -> state of every thread of process ``pid``; {} when it is gone."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").glob("*") if pid else ():
         try:
-            stat = (entry / "stat").read_text()
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            stat = (task / "stat").read_text()
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat.rsplit(")", 1)[1].split()
+            found[int(task.name)] = ThreadState(name, fields[0], int(fields[11]) + int(fields[12]))
         except (OSError, ValueError, IndexError):
             continue
-        yield int(entry.name), parent
+    return found
 
 
 def children(pid: int | None = None) -> set[int]:
@@ -131,6 +162,29 @@ def _kill_all(select, rounds: int = 50) -> int:
         _reap(killed)
     _reap(killed)
     return len(killed)
+
+
+def reap_adopted(pids, wait_s: float = 2.0) -> None:
+    """Collect ``pids``, processes this one adopted as a subreaper (bubblewrap's init, orphaned
+    when the sandbox's outer process ends), once they have ended: else each stays a zombie
+    for as long as this process lives. Waits up to ``wait_s`` for them to end."""
+    deadline = time.monotonic() + wait_s
+    left = {pid for pid in pids if pid}
+    while left:
+        for pid in list(left):
+            if parent(pid) != os.getpid():  # gone, or not (yet, or any longer) ours
+                if _state(pid) is None or time.monotonic() > deadline:
+                    left.discard(pid)
+                continue
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    left.discard(pid)
+            except ChildProcessError:
+                left.discard(pid)
+        if left and time.monotonic() > deadline:
+            break
+        if left:
+            time.sleep(0.02)
 
 
 def _state(pid: int) -> str | None:

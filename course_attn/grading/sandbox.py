@@ -9,6 +9,8 @@ system allows them; as root it works anyway). Inside:
 
 - its own user, PID, network, IPC and UTS namespaces: it sees only its own processes (not the
   grader, not the other kernels), cannot signal or trace anything outside, and has no network;
+  it cannot make namespaces of its own (``--disable-userns``), so no process in it can become
+  the first of a PID namespace and pass for the sandbox's init;
 - a filesystem made only of what it needs, read-only: the system's libraries, the Python it
   runs, the virtual environment, and a copy of the package; a working folder and a ``/tmp`` that
   are tmpfs of a fixed size, so that what it writes is memory (counted by the memory cgroup)
@@ -78,6 +80,8 @@ def command(*, readonly: list[str], workdir: str,
     args = [bwrap() or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
             "--cap-drop", "ALL", "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID),
             "--hostname", "grading"]
+    if disables_user_namespaces():
+        args += ["--unshare-user", "--disable-userns"]
     for path in _SYSTEM:
         if os.path.lexists(path):
             args += ["--ro-bind", path, path] if not os.path.islink(path) else \
@@ -102,6 +106,22 @@ def command(*, readonly: list[str], workdir: str,
 
 
 @cache
+def disables_user_namespaces() -> bool:
+    """Whether this ``bwrap`` can keep the sandbox from making user namespaces of its own
+    (``--disable-userns``, bubblewrap 0.8.0 and later). A process that made one, with a PID
+    namespace in it, would be the first process of that namespace, as bubblewrap's own init is
+    of the sandbox's; where this bwrap cannot refuse it, the kernel's process filter refuses
+    ``unshare`` from the first graded call on, and the grader ends every process in the sandbox
+    but the two it recorded at start (``Kernel.confine``)."""
+    try:
+        done = subprocess.run([bwrap() or "bwrap", "--help"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "--disable-userns" in done.stdout + done.stderr
+
+
+@cache
 def unavailable() -> str | None:
     """Why kernels cannot be sandboxed here, in one line; None when they can."""
     if sys.platform != "linux":
@@ -112,10 +132,14 @@ def unavailable() -> str | None:
     source = Path(confine.__file__).read_text(encoding="utf-8")
     probe = command(readonly=[], workdir="/tmp") + [
         sys.executable, "-c", source + _FILTER_PROBE]
+    from . import processes
+    before = processes.children()
     try:
         done = subprocess.run(probe, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"bubblewrap could not start a sandbox: {error}"
+    finally:  # the probe's init, adopted where this process is a subreaper
+        processes.reap_adopted(processes.children() - before, wait_s=0.5)
     if done.returncode != 0 and "filter:" not in done.stdout:
         why = (done.stderr.strip().splitlines() or ["no message"])[-1]
         return (f"bubblewrap could not start a sandbox ({why}); it needs user namespaces "
