@@ -611,6 +611,8 @@ def save_random_checkpoint(folder, architecture: str = "llama", *, seed: int = 0
     course's with.
 
     Tiny by default (hidden 64, 2 layers, 4 heads, 2 key/value heads, vocab 128, 128 positions);
+    every norm gain is drawn from U(0.5, 1.5) and every bias from N(0, init_std), not left at
+    transformers' 1 and 0, under which a norm in the wrong place can give the same numbers;
     ``options`` are config.json's fields (``hidden_size=``, ``rope_parameters=``,
     ``sliding_window=``, ...). Weights are drawn with std ``init_std`` (transformers'
     ``initializer_range``), large enough that attention is far from uniform. No token ends a
@@ -631,6 +633,12 @@ def save_random_checkpoint(folder, architecture: str = "llama", *, seed: int = 0
     config = AutoConfig.for_model(MODEL_TYPES[architecture], **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():    # transformers starts norm gains at 1 and biases at 0, which hide
+        for name, param in model.named_parameters():        # a norm applied in the wrong order
+            if param.dim() == 1 and name.endswith("bias"):
+                param.normal_(0.0, init_std)
+            elif param.dim() == 1:                             # a norm's gain
+                param.uniform_(0.5, 1.5)
     model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
     model.to(dtype)
     kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
