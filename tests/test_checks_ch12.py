@@ -304,7 +304,7 @@ def test_a_memory_answer_is_told_too_large_never_the_number():
 # --- serving_costs -------------------------------------------------------------------------------
 
 WAITING = "at most 2 running, nothing preempted: bs=4, 32 blocks, 5 requests"
-TIGHT = "a pool of 7 blocks for 4 requests, one preempted twice: bs=2"
+TIGHT = "a pool of 8 blocks for 5 requests, one preempted twice, two in one step: bs=2"
 COMMON = "a common prefix of 9 tokens, sharing on: bs=4, 40 blocks, at most 3 running"
 
 
@@ -328,6 +328,7 @@ def wrong_costs(mistake):
             "needs": {"peak_blocks": sum(math.ceil((len(p) + n - 1) / bs)
                                          for p, n in zip(prompts, limits))},
             "distinct": {"preemptions": len(set(preempted))},
+            "steps": {"preemptions": sum(1 for s in steps if s.preempted)},
             "per_request": {"fed_tokens": sum(len(s.running) for s in steps)},
             "once": {"fed_tokens": sum(len(p) + n - 1 for p, n in zip(prompts, limits))},
         }[mistake])
@@ -341,6 +342,7 @@ COSTS_MISTAKES = {"longest": ("(a) the engine's steps", WAITING, "the request th
                   "pool": ("(b) the most blocks in use at once", WAITING, "the pool's size"),
                   "needs": ("(b) the most blocks in use at once", WAITING, "added up"),
                   "distinct": ("(c) the preemptions", TIGHT, "each once"),
+                  "steps": ("(c) the preemptions", TIGHT, "two requests"),
                   "per_request": ("(d) the tokens fed to the model", WAITING, "one token"),
                   "once": ("(d) the tokens fed to the model", TIGHT, "as if nothing")}
 

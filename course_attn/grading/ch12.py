@@ -435,7 +435,8 @@ def served(settings, prompts, max_new_tokens) -> dict:
     return {"steps": len(steps), "peak_blocks": int(blocks.max()),
             "preemptions": len(preempted), "fed_tokens": int(fed.sum()),
             "requests_preempted": len(set(preempted)), "shared_tokens": int(shared.sum()),
-            "request_steps": int(running.sum())}
+            "request_steps": int(running.sum()),
+            "steps_preempting": sum(1 for step in steps if step[4])}
 
 
 COSTS_QUESTIONS = {
@@ -485,9 +486,9 @@ PUBLIC_WORKLOADS = (
     ("at most 2 running, nothing preempted: bs=4, 32 blocks, 5 requests",
      dict(block_size=4, num_blocks=32, max_batch=2, share_prefixes=False),
      _prompts(1220, [5, 9, 3, 12, 7]), [6, 3, 10, 4, 8]),
-    ("a pool of 7 blocks for 4 requests, one preempted twice: bs=2",
-     dict(block_size=2, num_blocks=7, share_prefixes=False),
-     _prompts(1221, [3, 2, 4, 5]), [6, 9, 11, 4]),
+    ("a pool of 8 blocks for 5 requests, one preempted twice, two in one step: bs=2",
+     dict(block_size=2, num_blocks=8, share_prefixes=False),
+     _prompts(1221, [4, 5, 2, 2, 2]), [11, 4, 12, 9, 6]),
     ("a common prefix of 9 tokens, sharing on: bs=4, 40 blocks, at most 3 running",
      dict(block_size=4, num_blocks=40, max_batch=3, share_prefixes=True),
      _prompts(1222, [12, 14, 11, 13], prefix=9), 5),
@@ -538,6 +539,8 @@ register(Exercise(
         Mistake("you counted the requests that were preempted, each once: a request can be "
                 "preempted more than once",
                 _costs_with(preemptions=lambda r, *a: r["requests_preempted"])),
+        Mistake("you counted the steps in which a request was preempted: one step can preempt "
+                "two requests", _costs_with(preemptions=lambda r, *a: r["steps_preempting"])),
         Mistake("you counted one token for each request running in a step: a request admitted "
                 "in a step feeds its whole prompt",
                 _costs_with(fed_tokens=lambda r, *a: r["request_steps"])),

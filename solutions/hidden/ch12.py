@@ -175,6 +175,8 @@ COSTS_REGIMES = {
     "a request preempted more than once":
         lambda record, kwargs: record["preemptions"] > record["requests_preempted"],
     "a common prefix shared": lambda record, kwargs: record["shared_tokens"] > 0,
+    "a step that preempts two requests":
+        lambda record, kwargs: record["preemptions"] > record["steps_preempting"],
 }
 
 
@@ -214,8 +216,19 @@ def _(gen):
                 f"{settings['num_blocks']} blocks, {n} requests",
                 settings, _prompts(gen, lengths, prefix=prefix), limit)
 
-    for (name, rule), draw, public in zip(COSTS_REGIMES.items(), (waiting, preempted, shared),
-                                          PUBLIC_WORKLOADS):
+    def two_at_once():    # as ``preempted``, with more requests for fewer blocks
+        bs, n = randint(1, 2, gen), randint(4, 6, gen)
+        lengths = [randint(2, 6, gen) for _ in range(n)]
+        limits = [randint(4, 12, gen) for _ in range(n)]
+        most = max(-(-(p + m - 1) // bs) for p, m in zip(lengths, limits))
+        settings = dict(block_size=bs, num_blocks=most + randint(0, 2, gen),
+                        share_prefixes=False)
+        return (f"a tight pool: bs={bs}, {settings['num_blocks']} blocks, {n} requests",
+                settings, _prompts(gen, lengths), limits)
+
+    for (name, rule), draw, public in zip(COSTS_REGIMES.items(),
+                                          (waiting, preempted, shared, two_at_once),
+                                          (*PUBLIC_WORKLOADS, PUBLIC_WORKLOADS[1])):
         for _ in range(40):
             label, settings, prompts, limits = draw()
             if rule(served(settings, prompts, limits),
