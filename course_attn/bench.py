@@ -113,7 +113,10 @@ def _parser() -> argparse.ArgumentParser:
                     "(B, H, T, D), with ratios to PyTorch's SDPA ('sdpa'). Each backend is "
                     "warmed up until its times settle, then timed once per round, the backends "
                     "taking turns; the table gives the median over the rounds, and a ratio only "
-                    "where the rounds agree.")
+                    "where the rounds agree.",
+        epilog="With --hf FOLDER instead: the course's generate against transformers' on a "
+               "Hugging Face checkpoint (config.json + model.safetensors), tokens per second as "
+               "a ratio; its options: python -m course_attn.bench --hf FOLDER --help.")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024], metavar="T",
                    help="sequence lengths T to measure, each in its own block of the table "
                         "(default: 256 512 1024)")

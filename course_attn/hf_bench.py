@@ -19,7 +19,8 @@ the size the issue asks the ratio for.
 
 import argparse
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -47,12 +48,15 @@ def make_llama(folder) -> int:
 
 def run_hf_bench(folder, *, new_tokens: int = 256, prompt_len: int = 16, batch: int = 1,
                  dtype: str = "float32", threads: int | None = 1, repeats: int = 5,
-                 max_warmup: int = 2, hf_cache: str = "dynamic") -> dict:
+                 max_warmup: int = 2, hf_cache: str = "dynamic",
+                 progress: Callable[[str], None] | None = None) -> dict:
     """Tokens per second of the course's cached generation and of transformers' ``generate``
     on the checkpoint in ``folder``; returns a dict (see ``format_report``). ``hf_cache``:
     transformers' cache: "dynamic" (its default), "static" (preallocated, as the course's) or
     "static-compiled" (and its decode step compiled by ``torch.compile``, gpt-fast's recipe,
-    which transformers does by itself on a GPU but not on a CPU)."""
+    which transformers does by itself on a GPU but not on a CPU). ``progress``: called with a
+    line of text as the run goes (loading, then each generation done)."""
+    say = progress or (lambda line: None)
     check_positive_ints(new_tokens=new_tokens, prompt_len=prompt_len, batch=batch,
                         repeats=repeats, max_warmup=max_warmup)
     if hf_cache not in HF_CACHES:
@@ -67,6 +71,7 @@ def run_hf_bench(folder, *, new_tokens: int = 256, prompt_len: int = 16, batch: 
     torch_dtype = DTYPES[dtype]
     ours = load_pretrained(folder, dtype=torch_dtype)
     theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).eval()
+    say(f"loaded {folder} twice, the course's model and transformers'")
     # every token counts: no end-of-sequence token stops transformers early
     greedy = GenerationConfig(do_sample=False, max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
@@ -88,8 +93,22 @@ def run_hf_bench(folder, *, new_tokens: int = 256, prompt_len: int = 16, batch: 
             outputs[TRANSFORMERS] = theirs.generate(prompt, attention_mask=mask,
                                                      generation_config=greedy)
 
-    results = measure({COURSE: course, TRANSFORMERS: hf}, torch.device("cpu"), repeats,
-                      max_warmup, baseline=TRANSFORMERS, threads=threads)
+    done = dict.fromkeys((COURSE, TRANSFORMERS), 0)
+    start = time.perf_counter()
+
+    def reported(name, call):
+        def run():
+            call()
+            done[name] += 1
+            say(f"  {name}: generation {done[name]} of {new_tokens} tokens done "
+                f"({time.perf_counter() - start:.0f} s in; warm-up first, then {repeats} "
+                "timed rounds)")
+        return run
+
+    say(f"generating {new_tokens} tokens with each, warm-up then {repeats} rounds")
+    results = measure({COURSE: reported(COURSE, course),
+                       TRANSFORMERS: reported(TRANSFORMERS, hf)}, torch.device("cpu"),
+                      repeats, max_warmup, baseline=TRANSFORMERS, threads=threads)
     failed = {name: r for name, r in results.items() if isinstance(r, str)}
     if failed:
         raise RuntimeError("; ".join(f"{name}: {why}" for name, why in failed.items()))
@@ -177,12 +196,17 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--max-warmup", type=int, default=2, metavar="N",
                    help=f"warm-up generations at most, each (at most {MAX_WARMUP})")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines on stderr while it runs")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     folder = Path(args.hf)
+    if args.quiet:
+        from transformers.utils.logging import disable_progress_bar   # its loading bars
+        disable_progress_bar()
     try:
         if args.make_llama and not (folder / "config.json").is_file():
             print(f"writing a random Llama of {make_llama(folder) / 1e6:.1f}M parameters to "
@@ -190,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = run_hf_bench(folder, new_tokens=args.new_tokens, prompt_len=args.prompt_len,
                               batch=args.batch, dtype=args.dtype, threads=args.threads,
                               repeats=args.repeats, max_warmup=min(args.max_warmup, MAX_WARMUP),
-                              hf_cache=args.hf_cache)
+                              hf_cache=args.hf_cache,
+                              progress=None if args.quiet else (
+                                  lambda line: print(line, file=sys.stderr, flush=True)))
     except (ValueError, RuntimeError) as error:
         print(f"{PROG}: error: {str(error).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -33,8 +33,22 @@ def test_report_compares_the_same_generation(folder):
 def test_bench_command_dispatches_to_the_checkpoint_bench(folder, capsys):
     assert bench.main(["--hf", str(folder), "--new-tokens", "4", "--prompt-len", "3",
                        "--repeats", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "4 new tokens" in captured.out and "tokens/s" in captured.out
+    progress = captured.err.splitlines()               # a long run says where it is
+    assert any(line.startswith(f"loaded {folder}") for line in progress)
+    assert sum("course: generation" in line for line in progress) >= 3
+    assert sum("transformers: generation" in line for line in progress) >= 3
+    assert bench.main(["--hf", str(folder), "--new-tokens", "2", "--prompt-len", "3",
+                       "--repeats", "3", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_bench_help_mentions_the_checkpoint_bench(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
     out = capsys.readouterr().out
-    assert "4 new tokens" in out and "tokens/s" in out
+    assert "With --hf FOLDER" in out and "python -m course_attn.bench --hf FOLDER --help" in out
 
 
 def test_bad_folder_is_one_line(tmp_path, capsys):
