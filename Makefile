@@ -41,7 +41,7 @@ help:
 
 ## every test: the package, the grader, nbval over book/, exercises/, solutions/, and the built
 ## book in a browser -- so the book is built first (after one build, only changed notebooks run);
-## it ends with the ten slowest tests
+## it ends with the ten slowest tests and the fifteen slowest files
 test: book
 	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder \
 	  tests book exercises solutions --nbval-lax --nbval-current-env --durations=10

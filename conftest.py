@@ -21,3 +21,24 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def pytest_collection_modifyitems(items):
     rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
+# The time each file took (its tests' set-up, call and tear-down, on whichever worker ran it),
+# printed at the end of every run, slowest first: so that the next slow file is seen.
+_FILE_SECONDS: dict[str, float] = {}
+FILES_SHOWN = 15
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.section(f"the {FILES_SHOWN} slowest files (seconds, summed over their tests)")
+    total = sum(_FILE_SECONDS.values())
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:FILES_SHOWN]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {100 * seconds / total:5.1f}%  {path}")
+    terminalreporter.write_line(f"{total:8.1f}  100.0%  every file ({len(_FILE_SECONDS)})")
