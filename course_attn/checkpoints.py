@@ -7,7 +7,10 @@ both and builds the course's ``GPT`` (``model.py``) with its blocks made of the 
     architecture   attention (MultiHeadAttention)              norm      MLP       positions
     Llama          GQA, RoPE (half-split), Llama 3.1 scaling   RMSNorm   SwiGLU    rotary
     Mistral        the same, plus a sliding ``window``         RMSNorm   SwiGLU    rotary
+    Qwen2          GQA, RoPE, biases on q, k, v (not o)        RMSNorm   SwiGLU    rotary
     Qwen3          GQA, RoPE, per-head QK-norm, head_dim       RMSNorm   SwiGLU    rotary
+    Phi-3          fused qkv, optional sliding ``window``      RMSNorm   SwiGLU,   rotary
+                                                                         fused gate-up
     GPT-2          biases, fused qkv in Conv1D layout          LayerNorm GELU-tanh learned
 
 so ``model(idx)``, its KV caches and ``generate`` are the ones the chapters built. Each tensor of
@@ -44,7 +47,8 @@ __all__ = ["ARCHITECTURES", "CheckpointConfig", "CheckpointError", "PretrainedGP
            "read_generation_config", "read_tensors", "save_random_checkpoint"]
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen3ForCausalLM": "qwen3", "GPT2LMHeadModel": "gpt2"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Phi3ForCausalLM": "phi3", "GPT2LMHeadModel": "gpt2"}
 ROPE_SCALINGS = ("default", "linear", "llama3")          # rope_type values the course implements
 GATED_ACTIVATIONS = ("silu", "swish")                   # two names of one function
 # positions whose cos and sin are tabulated; later ones (up to max_position_embeddings, 128K for
@@ -79,7 +83,7 @@ class CheckpointConfig:
     ``seq_len`` (max_position_embeddings) and ``position`` ("rope" or "learned") and ``window``
     are the fields ``GPT.forward`` and ``generate`` read, as in ``GPTConfig``."""
 
-    architecture: str               # "llama", "mistral", "qwen3" or "gpt2"
+    architecture: str               # a value of ARCHITECTURES
     vocab_size: int
     seq_len: int
     d_model: int
@@ -91,7 +95,8 @@ class CheckpointConfig:
     position: str                   # "rope" or "learned"
     norm: str                       # "rms" or "layer"
     norm_eps: float
-    attention_bias: bool = False
+    attention_bias: bool = False    # on q, k and v
+    output_bias: bool = False       # on the output projection
     mlp_bias: bool = False
     gelu_approximate: str | None = None   # GPT-2's MLP; None: SwiGLU
     rope_base: float = 10000.0
@@ -164,7 +169,8 @@ def _gpt2_config(raw: dict) -> CheckpointConfig:
         "gpt2", vocab_size=raw["vocab_size"], seq_len=raw["n_positions"], d_model=c,
         n_layers=raw["n_layer"], n_heads=h, n_kv_heads=h, head_dim=c // h,
         mlp_hidden=raw.get("n_inner") or 4 * c, position="learned", norm="layer",
-        norm_eps=raw.get("layer_norm_epsilon", 1e-5), attention_bias=True, mlp_bias=True,
+        norm_eps=raw.get("layer_norm_epsilon", 1e-5), attention_bias=True, output_bias=True,
+        mlp_bias=True,
         gelu_approximate=GPT2_ACTIVATIONS[activation],
         scale_by_sqrt_d=bool(raw.get("scale_attn_weights", True)),
         scale_by_layer=bool(raw.get("scale_attn_by_inverse_layer_idx", False)),
@@ -176,11 +182,11 @@ def _rotary_config(raw: dict, architecture: str) -> CheckpointConfig:
     if activation not in GATED_ACTIVATIONS:
         raise _unsupported("hidden_act", activation, architecture)
     window = None
-    if architecture == "mistral":
+    if architecture in ("mistral", "phi3"):
         window = raw.get("sliding_window")
-    elif architecture == "qwen3" and (raw.get("use_sliding_window") or any(
+    elif architecture in ("qwen2", "qwen3") and (raw.get("use_sliding_window") or any(
             kind != "full_attention" for kind in raw.get("layer_types") or [])):
-        raise _unsupported("use_sliding_window", True, "Qwen3")
+        raise _unsupported("use_sliding_window", True, architecture)
     c, h = raw["hidden_size"], raw["num_attention_heads"]
     base, scaling = _rope_options(raw, architecture)
     return CheckpointConfig(
@@ -188,7 +194,9 @@ def _rotary_config(raw: dict, architecture: str) -> CheckpointConfig:
         d_model=c, n_layers=raw["num_hidden_layers"], n_heads=h,
         n_kv_heads=raw.get("num_key_value_heads") or h, head_dim=raw.get("head_dim") or c // h,
         mlp_hidden=raw["intermediate_size"], position="rope", norm="rms",
-        norm_eps=raw.get("rms_norm_eps", 1e-6), attention_bias=raw.get("attention_bias", False),
+        norm_eps=raw.get("rms_norm_eps", 1e-6),
+        attention_bias=architecture == "qwen2" or raw.get("attention_bias", False),
+        output_bias=architecture != "qwen2" and raw.get("attention_bias", False),
         mlp_bias=raw.get("mlp_bias", False), rope_base=base, rope_scaling=scaling,
         qk_norm=architecture == "qwen3", window=window,
         tie_embeddings=raw.get("tie_word_embeddings", False))
@@ -295,6 +303,8 @@ class PretrainedBlock(Block):
             rope_interleaved=rope_layout == "interleaved", qk_norm=config.qk_norm,
             window=config.window, scale=scale)
         self.attn.rotary = rotary         # shared: built once by the model, not once a layer
+        if config.attention_bias and not config.output_bias:
+            self.attn.out_proj.register_parameter("bias", None)     # Qwen2: q, k, v only
         if config.qk_norm:
             self.attn.q_norm.eps = self.attn.k_norm.eps = config.norm_eps
         self.mlp_norm = _norm(config)
@@ -366,7 +376,7 @@ def _rotary_names(config: CheckpointConfig) -> dict[str, str]:
                    "out_proj": "o_proj"}
     for ours, theirs in projections.items():
         parts[f"attn.{ours}.weight"] = f"self_attn.{theirs}.weight"
-        if config.attention_bias:
+        if config.output_bias if ours == "out_proj" else config.attention_bias:
             parts[f"attn.{ours}.bias"] = f"self_attn.{theirs}.bias"
     if config.mlp_bias:
         for ours in ("gate", "up", "down"):
@@ -378,6 +388,27 @@ def _rotary_names(config: CheckpointConfig) -> dict[str, str]:
         names.update({f"blocks.{i}.{ours}": f"model.layers.{i}.{theirs}"
                       for ours, theirs in parts.items()})
     return names
+
+
+def _phi3_tensors(config: CheckpointConfig, get, expected: dict) -> dict[str, Tensor]:
+    """The course's tensors from Phi-3's: qkv_proj holds Wq, Wk and Wv stacked by rows
+    (H·D + 2·Hkv·D, C), gate_up_proj the gate's rows, then the up projection's (2·hidden, C)."""
+    fused = {"attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight",
+             "mlp.gate.weight", "mlp.up.weight"}
+    out = {ours: get(theirs, expected[ours]) for ours, theirs in _rotary_names(config).items()
+           if ours.split(".", 2)[-1] not in fused}
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    c, hidden = config.d_model, config.mlp_hidden
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        qkv = get(theirs + "self_attn.qkv_proj.weight", (q + 2 * kv, c))
+        out[ours + "attn.q_proj.weight"] = qkv[:q]
+        out[ours + "attn.k_proj.weight"] = qkv[q:q + kv]
+        out[ours + "attn.v_proj.weight"] = qkv[q + kv:]
+        gate_up = get(theirs + "mlp.gate_up_proj.weight", (2 * hidden, c))
+        out[ours + "mlp.gate.weight"] = gate_up[:hidden]
+        out[ours + "mlp.up.weight"] = gate_up[hidden:]
+    return out
 
 
 def _gpt2_tensors(config: CheckpointConfig, get) -> dict[str, Tensor]:
@@ -492,6 +523,8 @@ def _course_state(config: CheckpointConfig, model: PretrainedGPT, tensors: dict[
 
     if config.architecture == "gpt2":
         state = _gpt2_tensors(config, get)
+    elif config.architecture == "phi3":
+        state = _phi3_tensors(config, get, expected)
     else:
         state = {ours: get(theirs, expected[ours])
                  for ours, theirs in _rotary_names(config).items()}
@@ -599,7 +632,8 @@ TINY_SIZES = {
                   num_attention_heads=4, num_key_value_heads=2),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
 }
-TINY_SIZES["mistral"] = TINY_SIZES["qwen3"] = TINY_SIZES["llama"]
+for _name in ("mistral", "qwen2", "qwen3", "phi3"):
+    TINY_SIZES[_name] = TINY_SIZES["llama"]
 MODEL_TYPES = {name: name for name in TINY_SIZES}
 
 

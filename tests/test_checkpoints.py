@@ -39,6 +39,8 @@ CHECKPOINTS = {                 # name -> (architecture, config.json options)
     "gpt2": ("gpt2", {}),
     "qwen3": ("qwen3", dict(head_dim=32)),          # H·D = 128, not hidden_size = 64
     "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "qwen2": ("qwen2", {}),                         # biases on q, k and v, not o
+    "phi3": ("phi3", dict(sliding_window=WINDOW)),  # fused qkv and gate-up
 }
 LARGE_LLAMA = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2, vocab_size=32000)
@@ -101,7 +103,7 @@ def test_logits_equal_transformers(checkpoints, name):
     assert (ours - reference).abs().max() <= ATOL
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "phi3"])
 def test_interleaved_layout_gives_the_same_logits(checkpoints, name):
     """Meta's layout: Wq and Wk rows permuted back, pairs (2i, 2i+1) rotated; the same model."""
     folder, hf_model = checkpoints[name]
@@ -163,6 +165,17 @@ def _qk_norm_after_rope(model):
         block.attn.qk_norm_order = "after_rope"
 
 
+def _gate_and_up_swapped(model):
+    for block in model.blocks:
+        block.mlp.gate, block.mlp.up = block.mlp.up, block.mlp.gate
+
+
+def _no_query_bias(model):
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.q_proj.bias.zero_()
+
+
 def _norms_swapped(model):
     for block in model.blocks:
         block.attn_norm, block.mlp_norm = block.mlp_norm, block.attn_norm
@@ -172,7 +185,8 @@ def _norms_swapped(model):
     ("llama", _wrong_rope_layout), ("llama", _no_rope_scaling),
     ("llama-tied-bias", _no_rope_scaling), ("mistral", _no_window), ("gpt2", _exact_gelu),
     ("qwen3", _no_qk_norm_eps), ("qwen3", _qk_norm_after_rope), ("llama", _norms_swapped),
-    ("gpt2", _norms_swapped),
+    ("gpt2", _norms_swapped), ("phi3", _gate_and_up_swapped), ("phi3", _no_window),
+    ("qwen2", _no_query_bias),
 ])
 def test_the_tolerance_catches_a_plausible_bug(checkpoints, name, bug):
     """Each option the loader reads matters on these checkpoints: getting it wrong moves the
