@@ -11,6 +11,8 @@ both and builds the course's ``GPT`` (``model.py``) with its blocks made of the 
     Qwen3          GQA, RoPE, per-head QK-norm, head_dim       RMSNorm   SwiGLU    rotary
     Phi-3          fused qkv, optional sliding ``window``      RMSNorm   SwiGLU,   rotary
                                                                          fused gate-up
+    OLMo 2         GQA, RoPE, QK-norm over all heads at once   RMSNorm   SwiGLU    rotary
+                   (``NormedProjection``); norms after attention and MLP (``PostNormBlock``)
     GPT-2          biases, fused qkv in Conv1D layout          LayerNorm GELU-tanh learned
 
 so ``model(idx)``, its KV caches and ``generate`` are the ones the chapters built. Each tensor of
@@ -48,7 +50,8 @@ __all__ = ["ARCHITECTURES", "CheckpointConfig", "CheckpointError", "PretrainedGP
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Phi3ForCausalLM": "phi3", "GPT2LMHeadModel": "gpt2"}
+                 "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
+                 "GPT2LMHeadModel": "gpt2"}
 ROPE_SCALINGS = ("default", "linear", "llama3")          # rope_type values the course implements
 GATED_ACTIVATIONS = ("silu", "swish")                   # two names of one function
 # positions whose cos and sin are tabulated; later ones (up to max_position_embeddings, 128K for
@@ -101,7 +104,9 @@ class CheckpointConfig:
     gelu_approximate: str | None = None   # GPT-2's MLP; None: SwiGLU
     rope_base: float = 10000.0
     rope_scaling: tuple = ()        # scaled_rope_frequencies' keyword arguments, as pairs
-    qk_norm: bool = False
+    qk_norm: bool = False           # per head (Qwen3)
+    qk_norm_projection: bool = False  # over the whole projection, every head at once (OLMo 2)
+    norm_after: bool = False        # x + norm(attn(x)), x + norm(mlp(x)) (OLMo 2)
     window: int | None = None
     scale_by_sqrt_d: bool = True    # scores / sqrt(D); GPT-2's scale_attn_weights may say no
     scale_by_layer: bool = False    # and / (layer + 1): its scale_attn_by_inverse_layer_idx
@@ -198,7 +203,8 @@ def _rotary_config(raw: dict, architecture: str) -> CheckpointConfig:
         attention_bias=architecture == "qwen2" or raw.get("attention_bias", False),
         output_bias=architecture != "qwen2" and raw.get("attention_bias", False),
         mlp_bias=raw.get("mlp_bias", False), rope_base=base, rope_scaling=scaling,
-        qk_norm=architecture == "qwen3", window=window,
+        qk_norm=architecture == "qwen3", qk_norm_projection=architecture == "olmo2",
+        norm_after=architecture == "olmo2", window=window,
         tie_embeddings=raw.get("tie_word_embeddings", False))
 
 
@@ -284,6 +290,18 @@ def _norm(config: CheckpointConfig) -> nn.Module:
     return nn.LayerNorm(config.d_model, eps=config.norm_eps)
 
 
+class NormedProjection(nn.Linear):
+    """A ``Linear`` whose output (..., out) is RMS-normalised over all its channels: OLMo 2's
+    q and k projections, whose QK-norm spans every head at once, not each head apart."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, eps: float):
+        super().__init__(d_in, d_out, bias=bias)
+        self.norm = RMSNorm(d_out, eps=eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(super().forward(x))
+
+
 class PretrainedBlock(Block):
     """``model.Block`` (pre-norm attention, then pre-norm MLP, each added to x) with the norms,
     attention options and MLP of a checkpoint's architecture; ``layer`` counts from 0;
@@ -307,11 +325,36 @@ class PretrainedBlock(Block):
             self.attn.out_proj.register_parameter("bias", None)     # Qwen2: q, k, v only
         if config.qk_norm:
             self.attn.q_norm.eps = self.attn.k_norm.eps = config.norm_eps
+        if config.qk_norm_projection:
+            attn = self.attn
+            attn.q_proj, attn.k_proj = (
+                NormedProjection(config.d_model, n * config.head_dim, bias=config.attention_bias,
+                                 eps=config.norm_eps) for n in (attn.n_heads, attn.n_kv_heads))
         self.mlp_norm = _norm(config)
         if config.gelu_approximate is None:
             self.mlp = SwiGLU(config.d_model, config.mlp_hidden, bias=config.mlp_bias)
         else:
             self.mlp = GeluMLP(config.d_model, config.mlp_hidden, config.gelu_approximate)
+
+
+class PostNormBlock(PretrainedBlock):
+    """OLMo 2's block: x + norm(attn(x)), then x + norm(mlp(x)): the norms on what each adds
+    (``post_attn_norm``, ``post_mlp_norm``), none on its input."""
+
+    def __init__(self, config: CheckpointConfig, layer: int, **options):
+        super().__init__(config, layer, **options)
+        self.post_attn_norm, self.post_mlp_norm = self.attn_norm, self.mlp_norm
+        del self.attn_norm, self.mlp_norm     # what reads them assumes a pre-norm block
+
+    def forward(self, x: Tensor, *, positions: Tensor | None = None, cache=None,
+                return_weights: bool = False, attn_mask: Tensor | None = None
+                ) -> tuple[Tensor, Tensor | None]:
+        """As ``Block.forward``: x (B, T, C) -> (x, attention weights or None)."""
+        attended = self.attn(x, is_causal=True, positions=positions, cache=cache,
+                             return_weights=return_weights, attn_mask=attn_mask)
+        attended, weights = attended if return_weights else (attended, None)
+        x = x + self.post_attn_norm(attended)
+        return x + self.post_mlp_norm(self.mlp(x)), weights
 
 
 class PretrainedGPT(GPT):
@@ -340,8 +383,9 @@ class PretrainedGPT(GPT):
                 rotary = RotaryEmbedding(  # are built on the meta device (load_pretrained)
                     config.head_dim, min(config.seq_len, ROPE_TABLE), config.rope_base,
                     scaling=scaling)
+        block = PostNormBlock if config.norm_after else PretrainedBlock
         self.blocks = nn.ModuleList(
-            PretrainedBlock(config, i, backend=backend, rope_layout=rope_layout, rotary=rotary)
+            block(config, i, backend=backend, rope_layout=rope_layout, rotary=rotary)
             for i in range(config.n_layers))
         self.final_norm = _norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -372,6 +416,10 @@ def _rotary_names(config: CheckpointConfig) -> dict[str, str]:
              "mlp_norm.weight": "post_attention_layernorm.weight",
              "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.up.weight": "mlp.up_proj.weight",
              "mlp.down.weight": "mlp.down_proj.weight"}
+    if config.norm_after:
+        del parts["attn_norm.weight"], parts["mlp_norm.weight"]
+        parts["post_attn_norm.weight"] = "post_attention_layernorm.weight"
+        parts["post_mlp_norm.weight"] = "post_feedforward_layernorm.weight"
     projections = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
                    "out_proj": "o_proj"}
     for ours, theirs in projections.items():
@@ -381,9 +429,10 @@ def _rotary_names(config: CheckpointConfig) -> dict[str, str]:
     if config.mlp_bias:
         for ours in ("gate", "up", "down"):
             parts[f"mlp.{ours}.bias"] = f"mlp.{ours}_proj.bias"
-    if config.qk_norm:
-        parts["attn.q_norm.weight"] = "self_attn.q_norm.weight"
-        parts["attn.k_norm.weight"] = "self_attn.k_norm.weight"
+    if config.qk_norm or config.qk_norm_projection:
+        norms = "proj.norm" if config.qk_norm_projection else "norm"
+        parts[f"attn.q_{norms}.weight"] = "self_attn.q_norm.weight"
+        parts[f"attn.k_{norms}.weight"] = "self_attn.k_norm.weight"
     for i in range(config.n_layers):
         names.update({f"blocks.{i}.{ours}": f"model.layers.{i}.{theirs}"
                       for ours, theirs in parts.items()})
@@ -545,9 +594,9 @@ def _course_state(config: CheckpointConfig, model: PretrainedGPT, tensors: dict[
                                   f"implies {want}")
     if model.rope_layout == "interleaved":
         for name in list(state):
-            if name.endswith(("attn.q_proj.weight", "attn.q_proj.bias")):
+            if name.endswith(("attn.q_proj.weight", "attn.q_proj.bias", "q_proj.norm.weight")):
                 state[name] = interleave_rows(state[name], config.n_heads)
-            elif name.endswith(("attn.k_proj.weight", "attn.k_proj.bias")):
+            elif name.endswith(("attn.k_proj.weight", "attn.k_proj.bias", "k_proj.norm.weight")):
                 state[name] = interleave_rows(state[name], config.n_kv_heads)
             elif name.endswith(("attn.q_norm.weight", "attn.k_norm.weight")):
                 state[name] = interleave_rows(state[name], 1)
@@ -632,7 +681,7 @@ TINY_SIZES = {
                   num_attention_heads=4, num_key_value_heads=2),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
 }
-for _name in ("mistral", "qwen2", "qwen3", "phi3"):
+for _name in ("mistral", "qwen2", "qwen3", "phi3", "olmo2"):
     TINY_SIZES[_name] = TINY_SIZES["llama"]
 MODEL_TYPES = {name: name for name in TINY_SIZES}
 

@@ -41,6 +41,7 @@ CHECKPOINTS = {                 # name -> (architecture, config.json options)
     "mistral": ("mistral", dict(sliding_window=WINDOW)),
     "qwen2": ("qwen2", {}),                         # biases on q, k and v, not o
     "phi3": ("phi3", dict(sliding_window=WINDOW)),  # fused qkv and gate-up
+    "olmo2": ("olmo2", {}),                         # QK-norm over all heads, norms after
 }
 LARGE_LLAMA = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2, vocab_size=32000)
@@ -103,7 +104,7 @@ def test_logits_equal_transformers(checkpoints, name):
     assert (ours - reference).abs().max() <= ATOL
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "phi3", "olmo2"])
 def test_interleaved_layout_gives_the_same_logits(checkpoints, name):
     """Meta's layout: Wq and Wk rows permuted back, pairs (2i, 2i+1) rotated; the same model."""
     folder, hf_model = checkpoints[name]
@@ -176,6 +177,27 @@ def _no_query_bias(model):
             block.attn.q_proj.bias.zero_()
 
 
+def _qk_norm_per_head(model):
+    """OLMo 2's QK-norm taken over each head apart, as Qwen3's, not over the projection."""
+    from course_attn.norm import rms_norm
+    for block in model.blocks:
+        attn = block.attn
+        for proj, heads in ((attn.q_proj, attn.n_heads), (attn.k_proj, attn.n_kv_heads)):
+            proj.forward = lambda x, proj=proj, heads=heads: rms_norm(
+                torch.nn.functional.linear(x, proj.weight, proj.bias).unflatten(-1, (heads, -1)),
+                eps=proj.norm.eps).flatten(-2) * proj.norm.weight
+
+
+def _norms_before(model):
+    """OLMo 2's norms applied to each sub-block's input (pre-norm), not to its output."""
+    import types
+
+    from course_attn.model import Block
+    for block in model.blocks:
+        block.attn_norm, block.mlp_norm = block.post_attn_norm, block.post_mlp_norm
+        block.forward = types.MethodType(Block.forward, block)
+
+
 def _norms_swapped(model):
     for block in model.blocks:
         block.attn_norm, block.mlp_norm = block.mlp_norm, block.attn_norm
@@ -186,7 +208,7 @@ def _norms_swapped(model):
     ("llama-tied-bias", _no_rope_scaling), ("mistral", _no_window), ("gpt2", _exact_gelu),
     ("qwen3", _no_qk_norm_eps), ("qwen3", _qk_norm_after_rope), ("llama", _norms_swapped),
     ("gpt2", _norms_swapped), ("phi3", _gate_and_up_swapped), ("phi3", _no_window),
-    ("qwen2", _no_query_bias),
+    ("qwen2", _no_query_bias), ("olmo2", _qk_norm_per_head), ("olmo2", _norms_before),
 ])
 def test_the_tolerance_catches_a_plausible_bug(checkpoints, name, bug):
     """Each option the loader reads matters on these checkpoints: getting it wrong moves the
