@@ -9,8 +9,8 @@ the checkpoint's own tokenizer (through its chat template when it has one, unles
 model is ``load_pretrained``'s (the course's modules) and the tokens come from the course's
 ``generate`` with its KV cache, greedy unless ``--temperature`` is above 0, stopping at the
 checkpoint's end-of-sequence token (``generation_config.json``, else the tokenizer's); the
-completion is printed without it. Anything that stops it (offline, no tokenizer, a checkpoint the course cannot load) is one
-line on stderr and exit status 2.
+completion is printed without it. Anything that stops it (offline, no tokenizer, a checkpoint
+the course cannot load) is one line on stderr and exit status 2.
 """
 
 import argparse

@@ -13,6 +13,10 @@ both and builds the course's ``GPT`` (``model.py``) with its blocks made of the 
                                                                          fused gate-up
     OLMo 2         GQA, RoPE, QK-norm over all heads at once   RMSNorm   SwiGLU    rotary
                    (``NormedProjection``); norms after attention and MLP (``PostNormBlock``)
+    Gemma 3        GQA, QK-norm, local (window) and global     RMSNorm   GeGLU     rotary,
+                   layers with a RoPE table each, scores       (1 + w),            two bases
+                   scaled by query_pre_attn_scalar^-1/2,       before
+                   embeddings scaled by sqrt(C)                and after
     GPT-2          biases, fused qkv in Conv1D layout          LayerNorm GELU-tanh learned
 
 so ``model(idx)``, its KV caches and ``generate`` are the ones the chapters built. Each tensor of
@@ -30,6 +34,7 @@ interleaved pairs: the same model, the same logits.
 transformers is not imported here: safetensors reads the tensors, ``json`` the config.
 """
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -41,7 +46,7 @@ from torch import Tensor, nn
 
 from .model import GPT, Block, GenerationConfig
 from .multihead import MultiHeadAttention
-from .norm import RMSNorm
+from .norm import RMSNorm, rms_norm
 from .rope import RotaryEmbedding
 
 __all__ = ["ARCHITECTURES", "CheckpointConfig", "CheckpointError", "PretrainedGPT",
@@ -51,7 +56,9 @@ __all__ = ["ARCHITECTURES", "CheckpointConfig", "CheckpointError", "PretrainedGP
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
-                 "GPT2LMHeadModel": "gpt2"}
+                 "Gemma3ForCausalLM": "gemma3", "GPT2LMHeadModel": "gpt2"}
+ARCHITECTURE_OF_MODEL_TYPE = {"gemma3_text": "gemma3"}   # where config.json's model_type
+                                                        # is not the course's name
 ROPE_SCALINGS = ("default", "linear", "llama3")          # rope_type values the course implements
 GATED_ACTIVATIONS = ("silu", "swish")                   # two names of one function
 # positions whose cos and sin are tabulated; later ones (up to max_position_embeddings, 128K for
@@ -70,7 +77,8 @@ MATHS_KEYS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0,
               "query_pre_attn_scalar": None, "no_rope_layer_interval": None,
               "attn_temperature_tuning": False, "use_qk_norm": False, "qk_layernorm": False,
               "use_parallel_residual": False, "parallel_attn": False, "alibi": False,
-              "rotary_pct": 1.0, "layer_norm_type": None, "clip_qkv": None}
+              "rotary_pct": 1.0, "layer_norm_type": None, "clip_qkv": None,
+              "use_bidirectional_attention": False}
 # the files a checkpoint's weights may come in, besides *.safetensors: read by torch.load only
 PICKLED = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 
@@ -96,7 +104,7 @@ class CheckpointConfig:
     head_dim: int
     mlp_hidden: int
     position: str                   # "rope" or "learned"
-    norm: str                       # "rms" or "layer"
+    norm: str                       # "rms", "layer" or "gemma" (RMSNorm by 1 + w)
     norm_eps: float
     attention_bias: bool = False    # on q, k and v
     output_bias: bool = False       # on the output projection
@@ -107,6 +115,12 @@ class CheckpointConfig:
     qk_norm: bool = False           # per head (Qwen3)
     qk_norm_projection: bool = False  # over the whole projection, every head at once (OLMo 2)
     norm_after: bool = False        # x + norm(attn(x)), x + norm(mlp(x)) (OLMo 2)
+    norm_before_and_after: bool = False   # x + norm(attn(norm(x))), ... (Gemma 3)
+    sliding_layers: tuple = ()      # per layer, whether it has the window (): all of them
+    local_rope_base: float | None = None  # the RoPE base of the windowed layers, when their own
+    attention_scale: float | None = None  # the scores' factor; None: 1/sqrt(head_dim)
+    embedding_scale: float = 1.0    # the token embedding's factor (Gemma: sqrt(C))
+    gated_activation: str = "silu"  # the gate's function in SwiGLU ("gelu_tanh": GeGLU)
     window: int | None = None
     scale_by_sqrt_d: bool = True    # scores / sqrt(D); GPT-2's scale_attn_weights may say no
     scale_by_layer: bool = False    # and / (layer + 1): its scale_attn_by_inverse_layer_idx
@@ -141,8 +155,9 @@ def _rope_options(raw: dict, architecture: str) -> tuple[float, tuple]:
 
 
 def _architecture(raw: dict) -> str:
-    if not raw.get("architectures") and raw.get("model_type") in ARCHITECTURES.values():
-        return raw["model_type"]
+    model_type = ARCHITECTURE_OF_MODEL_TYPE.get(raw.get("model_type"), raw.get("model_type"))
+    if not raw.get("architectures") and model_type in ARCHITECTURES.values():
+        return model_type
     names = raw.get("architectures") or [raw.get("model_type")]
     if len(names) != 1 or names[0] not in ARCHITECTURES:
         raise CheckpointError(f"config.json names architecture {', '.join(map(str, names))}; "
@@ -154,6 +169,8 @@ def _check_maths_keys(raw: dict, architecture: str) -> None:
     """CheckpointError naming the first key of config.json that changes the maths in a way the
     course's ``architecture`` does not implement."""
     for key, neutral in MATHS_KEYS.items():
+        if architecture == "gemma3" and key == "query_pre_attn_scalar":
+            continue                      # the course's Gemma 3 reads it
         if raw.get(key, neutral) != neutral:
             raise _unsupported(key, raw[key], architecture)
     if not all(raw.get("no_rope_layers") or [1]):
@@ -179,6 +196,39 @@ def _gpt2_config(raw: dict) -> CheckpointConfig:
         gelu_approximate=GPT2_ACTIVATIONS[activation],
         scale_by_sqrt_d=bool(raw.get("scale_attn_weights", True)),
         scale_by_layer=bool(raw.get("scale_attn_by_inverse_layer_idx", False)),
+        tie_embeddings=raw.get("tie_word_embeddings", True))
+
+
+def _gemma3_config(raw: dict) -> CheckpointConfig:
+    activation = raw.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        raise _unsupported("hidden_activation", activation, "Gemma 3")
+    n = raw["num_hidden_layers"]
+    pattern = raw.get("sliding_window_pattern", 6)
+    kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else
+                                       "full_attention" for i in range(n)]
+    if len(kinds) != n or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise _unsupported("layer_types", kinds, "Gemma 3")
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:                        # transformers 5: one per kind
+        base, scaling = _rope_options({"rope_parameters": params["full_attention"]}, "Gemma 3")
+        local, local_scaling = _rope_options({"rope_parameters": params["sliding_attention"]},
+                                             "Gemma 3")
+    else:                                                 # the hub's: the global layers', and
+        base, scaling = _rope_options({"rope_theta": 1e6, **raw}, "Gemma 3")   # a local base
+        local, local_scaling = float(raw.get("rope_local_base_freq", 1e4)), ()
+    if local_scaling:
+        raise _unsupported("rope_parameters['sliding_attention']", params["sliding_attention"],
+                           "Gemma 3")
+    config = _rotary_config({**raw, "hidden_act": "silu", "rope_parameters": None,
+                             "rope_theta": base, "rope_scaling": None,
+                             "head_dim": raw.get("head_dim", 256)}, "gemma3")
+    return dataclasses.replace(
+        config, norm="gemma", rope_scaling=scaling, qk_norm=True, norm_before_and_after=True,
+        window=raw.get("sliding_window"),
+        sliding_layers=tuple(kind == "sliding_attention" for kind in kinds),
+        local_rope_base=local, attention_scale=raw.get("query_pre_attn_scalar", 256) ** -0.5,
+        embedding_scale=config.d_model ** 0.5, gated_activation="gelu_tanh",
         tie_embeddings=raw.get("tie_word_embeddings", True))
 
 
@@ -228,6 +278,8 @@ def read_config(folder) -> CheckpointConfig:
     architecture = _architecture(raw)
     _check_maths_keys(raw, architecture)
     try:
+        if architecture == "gemma3":
+            return _gemma3_config(raw)
         return _gpt2_config(raw) if architecture == "gpt2" else _rotary_config(raw, architecture)
     except KeyError as missing:
         raise CheckpointError(f"config.json lacks {missing.args[0]!r}, which a {architecture} "
@@ -259,16 +311,42 @@ def read_generation_config(folder) -> GenerationConfig:
 # ----------------------------------------------------------------- the model, course modules
 
 class SwiGLU(nn.Module):
-    """Llama's MLP: (B, T, C) -> (B, T, C), down(silu(gate(x)) · up(x)) through ``hidden``."""
+    """Llama's MLP: (B, T, C) -> (B, T, C), down(silu(gate(x)) · up(x)) through ``hidden``;
+    ``activation="gelu_tanh"``: GELU's tanh approximation instead of SiLU (GeGLU, Gemma)."""
 
-    def __init__(self, d_model: int, hidden: int, bias: bool = False):
+    def __init__(self, d_model: int, hidden: int, bias: bool = False,
+                 activation: str = "silu"):
         super().__init__()
+        self.activation = activation
         self.gate = nn.Linear(d_model, hidden, bias=bias)
         self.up = nn.Linear(d_model, hidden, bias=bias)
         self.down = nn.Linear(hidden, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate = self.gate(x)
+        gate = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down(gate * self.up(x))
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: (..., D) -> (..., D), the gains stored as w and applied as 1 + w (in
+    float32), so that a gain of 1 is stored as 0."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, 1.0 + self.weight.float(), self.eps)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """An embedding whose vectors are multiplied by ``scale`` (Gemma: sqrt(C)), the factor
+    rounded to the weights' dtype first, as transformers does; the LM head tied to it reads the
+    weights unscaled."""
+
+    def __init__(self, vocab_size: int, d_model: int, scale: float):
+        super().__init__(vocab_size, d_model)
+        self.scale = scale
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return super().forward(idx) * torch.tensor(self.scale, dtype=self.weight.dtype)
 
 
 class GeluMLP(nn.Module):
@@ -284,9 +362,12 @@ class GeluMLP(nn.Module):
         return self.down(F.gelu(self.up(x), approximate=self.approximate))
 
 
-def _norm(config: CheckpointConfig) -> nn.Module:
+def _norm(config: CheckpointConfig, dim: int | None = None) -> nn.Module:
+    dim = config.d_model if dim is None else dim
+    if config.norm == "gemma":
+        return GemmaRMSNorm(dim, eps=config.norm_eps)
     if config.norm == "rms":
-        return RMSNorm(config.d_model, eps=config.norm_eps)
+        return RMSNorm(dim, eps=config.norm_eps)
     return nn.LayerNorm(config.d_model, eps=config.norm_eps)
 
 
@@ -310,7 +391,7 @@ class PretrainedBlock(Block):
     def __init__(self, config: CheckpointConfig, layer: int, *, backend: str,
                  rope_layout: str, rotary: RotaryEmbedding | None):
         nn.Module.__init__(self)          # Block.__init__ builds from a GPTConfig
-        scale = None                      # 1/sqrt(D)
+        scale = config.attention_scale    # None: 1/sqrt(D)
         if config.scale_by_layer or not config.scale_by_sqrt_d:
             scale = ((config.head_dim ** -0.5 if config.scale_by_sqrt_d else 1.0)
                      / (layer + 1 if config.scale_by_layer else 1))
@@ -319,12 +400,14 @@ class PretrainedBlock(Block):
             config.d_model, config.n_heads, n_kv_heads=config.n_kv_heads,
             head_dim=config.head_dim, bias=config.attention_bias, backend=backend,
             rope_interleaved=rope_layout == "interleaved", qk_norm=config.qk_norm,
-            window=config.window, scale=scale)
+            window=config.window if not config.sliding_layers or config.sliding_layers[layer]
+            else None, scale=scale)
         self.attn.rotary = rotary         # shared: built once by the model, not once a layer
         if config.attention_bias and not config.output_bias:
             self.attn.out_proj.register_parameter("bias", None)     # Qwen2: q, k, v only
         if config.qk_norm:
-            self.attn.q_norm.eps = self.attn.k_norm.eps = config.norm_eps
+            self.attn.q_norm = _norm(config, config.head_dim)
+            self.attn.k_norm = _norm(config, config.head_dim)
         if config.qk_norm_projection:
             attn = self.attn
             attn.q_proj, attn.k_proj = (
@@ -332,29 +415,35 @@ class PretrainedBlock(Block):
                                  eps=config.norm_eps) for n in (attn.n_heads, attn.n_kv_heads))
         self.mlp_norm = _norm(config)
         if config.gelu_approximate is None:
-            self.mlp = SwiGLU(config.d_model, config.mlp_hidden, bias=config.mlp_bias)
+            self.mlp = SwiGLU(config.d_model, config.mlp_hidden, bias=config.mlp_bias,
+                              activation=config.gated_activation)
         else:
             self.mlp = GeluMLP(config.d_model, config.mlp_hidden, config.gelu_approximate)
 
 
 class PostNormBlock(PretrainedBlock):
-    """OLMo 2's block: x + norm(attn(x)), then x + norm(mlp(x)): the norms on what each adds
-    (``post_attn_norm``, ``post_mlp_norm``), none on its input."""
+    """A block with norms on what attention and the MLP add (``post_attn_norm``,
+    ``post_mlp_norm``): OLMo 2's x + norm(attn(x)), then x + norm(mlp(x)), none on the input;
+    with ``config.norm_before_and_after`` Gemma 3's x + norm(attn(norm(x))), the same for the
+    MLP (a "sandwich")."""
 
     def __init__(self, config: CheckpointConfig, layer: int, **options):
         super().__init__(config, layer, **options)
-        self.post_attn_norm, self.post_mlp_norm = self.attn_norm, self.mlp_norm
-        del self.attn_norm, self.mlp_norm     # what reads them assumes a pre-norm block
+        self.post_attn_norm, self.post_mlp_norm = _norm(config), _norm(config)
+        if not config.norm_before_and_after:
+            del self.attn_norm, self.mlp_norm     # what reads them assumes a pre-norm block
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None, cache=None,
                 return_weights: bool = False, attn_mask: Tensor | None = None
                 ) -> tuple[Tensor, Tensor | None]:
         """As ``Block.forward``: x (B, T, C) -> (x, attention weights or None)."""
-        attended = self.attn(x, is_causal=True, positions=positions, cache=cache,
-                             return_weights=return_weights, attn_mask=attn_mask)
+        before = "attn_norm" in self._modules
+        attended = self.attn(self.attn_norm(x) if before else x, is_causal=True,
+                             positions=positions, cache=cache, return_weights=return_weights,
+                             attn_mask=attn_mask)
         attended, weights = attended if return_weights else (attended, None)
         x = x + self.post_attn_norm(attended)
-        return x + self.post_mlp_norm(self.mlp(x)), weights
+        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x) if before else x)), weights
 
 
 class PretrainedGPT(GPT):
@@ -373,19 +462,25 @@ class PretrainedGPT(GPT):
         if rope_layout not in ("half", "interleaved"):
             raise ValueError(f"rope_layout must be 'half' or 'interleaved', got {rope_layout!r}")
         self.config, self.rope_layout = config, rope_layout
-        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.token_embedding = (
+            nn.Embedding(config.vocab_size, config.d_model) if config.embedding_scale == 1.0
+            else ScaledEmbedding(config.vocab_size, config.d_model, config.embedding_scale))
         self.position_embedding = (nn.Embedding(config.seq_len, config.d_model)
                                    if config.position == "learned" else None)
-        rotary = None                     # one table of cos and sin for every layer
-        if config.position == "rope":
+        rotary = local = None             # one table of cos and sin for every layer (two for
+        if config.position == "rope":     # Gemma 3: its windowed layers have their own base)
             scaling = dict(config.rope_scaling) if config.rope_scaling else None
+            length = min(config.seq_len, ROPE_TABLE)
             with torch.device("cpu"):     # computed, never loaded: real even when the weights
                 rotary = RotaryEmbedding(  # are built on the meta device (load_pretrained)
-                    config.head_dim, min(config.seq_len, ROPE_TABLE), config.rope_base,
-                    scaling=scaling)
-        block = PostNormBlock if config.norm_after else PretrainedBlock
+                    config.head_dim, length, config.rope_base, scaling=scaling)
+                if config.local_rope_base is not None:
+                    local = RotaryEmbedding(config.head_dim, length, config.local_rope_base)
+        block = (PostNormBlock if config.norm_after or config.norm_before_and_after
+                 else PretrainedBlock)
         self.blocks = nn.ModuleList(
-            block(config, i, backend=backend, rope_layout=rope_layout, rotary=rotary)
+            block(config, i, backend=backend, rope_layout=rope_layout,
+                  rotary=local if local is not None and config.sliding_layers[i] else rotary)
             for i in range(config.n_layers))
         self.final_norm = _norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -418,6 +513,9 @@ def _rotary_names(config: CheckpointConfig) -> dict[str, str]:
              "mlp.down.weight": "mlp.down_proj.weight"}
     if config.norm_after:
         del parts["attn_norm.weight"], parts["mlp_norm.weight"]
+    if config.norm_before_and_after:
+        parts["mlp_norm.weight"] = "pre_feedforward_layernorm.weight"
+    if config.norm_after or config.norm_before_and_after:
         parts["post_attn_norm.weight"] = "post_attention_layernorm.weight"
         parts["post_mlp_norm.weight"] = "post_feedforward_layernorm.weight"
     projections = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
@@ -683,7 +781,9 @@ TINY_SIZES = {
 }
 for _name in ("mistral", "qwen2", "qwen3", "phi3", "olmo2"):
     TINY_SIZES[_name] = TINY_SIZES["llama"]
+TINY_SIZES["gemma3"] = dict(TINY_SIZES["llama"], head_dim=16)
 MODEL_TYPES = {name: name for name in TINY_SIZES}
+MODEL_TYPES["gemma3"] = "gemma3_text"
 
 
 def save_random_checkpoint(folder, architecture: str = "llama", *, seed: int = 0,

@@ -42,6 +42,13 @@ CHECKPOINTS = {                 # name -> (architecture, config.json options)
     "qwen2": ("qwen2", {}),                         # biases on q, k and v, not o
     "phi3": ("phi3", dict(sliding_window=WINDOW)),  # fused qkv and gate-up
     "olmo2": ("olmo2", {}),                         # QK-norm over all heads, norms after
+    "gemma3": ("gemma3", dict(                      # local and global layers, 2 RoPE bases
+        num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
 }
 LARGE_LLAMA = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2, vocab_size=32000)
@@ -104,7 +111,7 @@ def test_logits_equal_transformers(checkpoints, name):
     assert (ours - reference).abs().max() <= ATOL
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "phi3", "olmo2"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3"])
 def test_interleaved_layout_gives_the_same_logits(checkpoints, name):
     """Meta's layout: Wq and Wk rows permuted back, pairs (2i, 2i+1) rotated; the same model."""
     folder, hf_model = checkpoints[name]
@@ -198,6 +205,35 @@ def _norms_before(model):
         block.forward = types.MethodType(Block.forward, block)
 
 
+def _gains_not_offset(model):
+    """Gemma's norms read as Llama's: gains w instead of 1 + w."""
+    from course_attn.checkpoints import GemmaRMSNorm
+    from course_attn.norm import RMSNorm
+    for module in model.modules():
+        if isinstance(module, GemmaRMSNorm):
+            module.__class__ = RMSNorm
+
+
+def _one_rope_base(model):
+    """Gemma 3's local layers rotated with the global layers' table."""
+    for block in model.blocks:
+        block.attn.rotary = model.blocks[2].attn.rotary
+
+
+def _no_embedding_scale(model):
+    model.token_embedding.scale = 1.0
+
+
+def _default_attention_scale(model):
+    for block in model.blocks:
+        block.attn.scale = None
+
+
+def _window_everywhere(model):
+    for block in model.blocks:
+        block.attn.window = WINDOW
+
+
 def _norms_swapped(model):
     for block in model.blocks:
         block.attn_norm, block.mlp_norm = block.mlp_norm, block.attn_norm
@@ -209,6 +245,9 @@ def _norms_swapped(model):
     ("qwen3", _no_qk_norm_eps), ("qwen3", _qk_norm_after_rope), ("llama", _norms_swapped),
     ("gpt2", _norms_swapped), ("phi3", _gate_and_up_swapped), ("phi3", _no_window),
     ("qwen2", _no_query_bias), ("olmo2", _qk_norm_per_head), ("olmo2", _norms_before),
+    ("gemma3", _gains_not_offset), ("gemma3", _one_rope_base), ("gemma3", _no_embedding_scale),
+    ("gemma3", _default_attention_scale), ("gemma3", _window_everywhere),
+    ("gemma3", _no_window), ("gemma3", _qk_norm_after_rope),
 ])
 def test_the_tolerance_catches_a_plausible_bug(checkpoints, name, bug):
     """Each option the loader reads matters on these checkpoints: getting it wrong moves the
@@ -555,6 +594,20 @@ def test_config_keys_at_their_neutral_value_load(checkpoints, tmp_path):
     idx = prompts()
     ours = course_logits(load_pretrained(folder), idx)
     assert (ours - reference_logits(checkpoints["llama"][1], idx)).abs().max() <= ATOL
+
+
+def test_gemma3_config_as_the_hub_writes_it(checkpoints, tmp_path):
+    """The hub's Gemma 3 configs predate rope_parameters per layer kind and layer_types:
+    rope_theta, rope_scaling and rope_local_base_freq, and a sliding_window_pattern."""
+    folder = _copy(checkpoints, "gemma3", tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    del config["rope_parameters"], config["layer_types"]
+    config.update(rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                  rope_local_base_freq=1e4, sliding_window_pattern=3)   # local, local, global
+    (folder / "config.json").write_text(json.dumps(config))
+    idx = prompts()
+    ours = course_logits(load_pretrained(folder), idx)
+    assert (ours - reference_logits(checkpoints["gemma3"][1], idx)).abs().max() <= ATOL
 
 
 def test_swish_is_silu(checkpoints, tmp_path):

@@ -241,7 +241,8 @@ def test_sampling_options_without_do_sample_warn_and_stay_greedy():
 def test_eos_ends_a_row_and_pads_it():
     """The course's GPT has no end token of its own; given one, a finished row is padded and
     generation stops once every row has ended."""
-    model, prompt = small_gpt(), torch.randint(11, (2, 3), generator=torch.Generator().manual_seed(2))
+    model = small_gpt()
+    prompt = torch.randint(11, (2, 3), generator=torch.Generator().manual_seed(2))
     greedy = generate(model, prompt, 8)
     eos = int(greedy[0, 5])
     out = generate(model, prompt, 8, eos_token_id=eos, pad_token_id=10)
