@@ -425,25 +425,27 @@ class PostNormBlock(PretrainedBlock):
     """A block with norms on what attention and the MLP add (``post_attn_norm``,
     ``post_mlp_norm``): OLMo 2's x + norm(attn(x)), then x + norm(mlp(x)), none on the input;
     with ``config.norm_before_and_after`` Gemma 3's x + norm(attn(norm(x))), the same for the
-    MLP (a "sandwich")."""
+    MLP (a "sandwich"; ``pre_attn_norm``, ``pre_mlp_norm``). It has no ``attn_norm`` or
+    ``mlp_norm``: code that reads those assumes a pre-norm block, and fails here by name."""
 
     def __init__(self, config: CheckpointConfig, layer: int, **options):
         super().__init__(config, layer, **options)
         self.post_attn_norm, self.post_mlp_norm = _norm(config), _norm(config)
-        if not config.norm_before_and_after:
-            del self.attn_norm, self.mlp_norm     # what reads them assumes a pre-norm block
+        if config.norm_before_and_after:
+            self.pre_attn_norm, self.pre_mlp_norm = self.attn_norm, self.mlp_norm
+        del self.attn_norm, self.mlp_norm
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None, cache=None,
                 return_weights: bool = False, attn_mask: Tensor | None = None
                 ) -> tuple[Tensor, Tensor | None]:
         """As ``Block.forward``: x (B, T, C) -> (x, attention weights or None)."""
-        before = "attn_norm" in self._modules
-        attended = self.attn(self.attn_norm(x) if before else x, is_causal=True,
+        before = "pre_attn_norm" in self._modules
+        attended = self.attn(self.pre_attn_norm(x) if before else x, is_causal=True,
                              positions=positions, cache=cache, return_weights=return_weights,
                              attn_mask=attn_mask)
         attended, weights = attended if return_weights else (attended, None)
         x = x + self.post_attn_norm(attended)
-        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x) if before else x)), weights
+        return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x) if before else x)), weights
 
 
 class PretrainedGPT(GPT):
@@ -511,10 +513,11 @@ def _rotary_names(config: CheckpointConfig) -> dict[str, str]:
              "mlp_norm.weight": "post_attention_layernorm.weight",
              "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.up.weight": "mlp.up_proj.weight",
              "mlp.down.weight": "mlp.down_proj.weight"}
-    if config.norm_after:
+    if config.norm_after or config.norm_before_and_after:
         del parts["attn_norm.weight"], parts["mlp_norm.weight"]
     if config.norm_before_and_after:
-        parts["mlp_norm.weight"] = "pre_feedforward_layernorm.weight"
+        parts["pre_attn_norm.weight"] = "input_layernorm.weight"
+        parts["pre_mlp_norm.weight"] = "pre_feedforward_layernorm.weight"
     if config.norm_after or config.norm_before_and_after:
         parts["post_attn_norm.weight"] = "post_attention_layernorm.weight"
         parts["post_mlp_norm.weight"] = "post_feedforward_layernorm.weight"

@@ -596,6 +596,17 @@ def test_config_keys_at_their_neutral_value_load(checkpoints, tmp_path):
     assert (ours - reference_logits(checkpoints["llama"][1], idx)).abs().max() <= ATOL
 
 
+@pytest.mark.parametrize("name", ["olmo2", "gemma3"])
+def test_the_serving_engine_refuses_a_block_with_norms_after(checkpoints, name):
+    """serve.Engine runs pre-norm blocks (attn_norm, mlp_norm); a block whose norms sit after
+    attention and the MLP lacks those names, so the engine refuses it instead of skipping its
+    norms."""
+    from course_attn.serve import Engine
+
+    with pytest.raises(ValueError, match=r"has no blocks\[0\].attn_norm, blocks\[0\].mlp_norm"):
+        Engine(load_pretrained(checkpoints[name][0]), block_size=4, num_blocks=8)
+
+
 def test_gemma3_config_as_the_hub_writes_it(checkpoints, tmp_path):
     """The hub's Gemma 3 configs predate rope_parameters per layer kind and layer_types:
     rope_theta, rope_scaling and rope_local_base_freq, and a sliding_window_pattern."""
