@@ -10,9 +10,14 @@ of the shared tree) and imports the mutated module. The chapter must stop at an 
 AssertionError in one of its own cells, never an error of the injected cell or an import error.
 Which cell caught the bug is printed (``-s``); cell numbers are indices into the stored chapter.
 
+A bug whose section sits at the end of a long chapter may name the cells that run (``cells``,
+by their notebook ids: the chapter's set-up cells and the section that teaches the idea, run in
+the chapter's order), so that the slow sections before it are not run again for every such bug;
+each of these cells is the chapter's own, unchanged.
+
 A control runs each chapter, unmutated, through the same harness up to the last cell at which a
-bug of that chapter was caught: those cells pass with the copy as it is, so a failure under a bug
-is the bug's doing.
+bug of that chapter was caught, and each set of ``cells`` in full: those cells pass with the copy
+as it is, so a failure under a bug is the bug's doing.
 """
 
 import os
@@ -37,14 +42,26 @@ CELL_TIMEOUT = yaml.safe_load((ROOT / "_config.yml").read_text())["execute"]["ti
 @dataclass(frozen=True)
 class Bug:
     """``old`` -> ``new`` in ``course_attn/<module>``; ``chapter`` is the notebook that teaches
-    the idea (book/<chapter>.ipynb) and must fail."""
+    the idea (book/<chapter>.ipynb) and must fail; ``cells``: the ids of the only cells of it
+    to run, or None for the whole chapter."""
 
     id: str
     chapter: str
     module: str
     old: str
     new: str
+    cells: tuple[str, ...] | None = None
 
+
+# Cells (by id) of a chapter that a bug of its last section needs, for ``Bug.cells``: the
+# chapter's imports, then that section.
+CHECKPOINT_CELLS = ("e2e23661",        # chapter 8's imports
+                    "edbc284f",        # the tiny Llama: imports transformers, the folder, ids
+                    "kv-three-archs")  # GPT-2, Qwen3 and Mistral against transformers
+DELTA_CELLS = ("253a2789",             # chapter 10's imports
+               "9b08cc8b")             # the delta rule: recurrent, chunked, step by step
+ROUNDS_CELLS = ("perf-01",             # the appendix's imports and the machine
+                "perf-median")         # the rounds behind one measurement
 
 BUGS = [
     Bug("ch02-scale-1-over-D", "02_scaled_dot_product", "attention.py",
@@ -114,6 +131,70 @@ BUGS = [
     Bug("ch11-window-edge-inclusive", "11_local_attention", "masks.py",
         "allowed &= d < window if is_causal else d.abs() < window",
         "allowed &= d <= window if is_causal else d.abs() <= window"),
+    # the modules added since: roofline and checkpoints (chapter 8), the delta rule (10), the
+    # paged pool and the engine (12), timing (the appendix)
+    Bug("ch08-roofline-kv-read-per-query-head", "08_kv_cache", "roofline.py",
+        "k_and_v = 2 * batch * kv_heads * kv_len * head_dim",
+        "k_and_v = 2 * batch * heads * kv_len * head_dim"),
+    Bug("ch08-gpt2-wv-left-in-conv1d-layout", "08_kv_cache", "checkpoints.py",
+        'out[f"{ours}attn.{name}.weight"] = qkv_w[j * c:(j + 1) * c]',
+        'out[f"{ours}attn.{name}.weight"] = '
+        'qkv_w[j * c:(j + 1) * c] if j < 2 else qkv_w[j * c:(j + 1) * c].t()',
+        cells=CHECKPOINT_CELLS),
+    Bug("ch08-qwen3-qk-norm-after-rope", "08_kv_cache", "checkpoints.py",
+        "qk_norm=config.qk_norm,",
+        'qk_norm=config.qk_norm, qk_norm_order="after_rope",',
+        cells=CHECKPOINT_CELLS),
+    Bug("ch08-mistral-window-one-key-too-wide", "08_kv_cache", "checkpoints.py",
+        'window = raw.get("sliding_window")',
+        'window = raw.get("sliding_window") + 1',
+        cells=CHECKPOINT_CELLS),
+    Bug("ch08-llama3-rope-scaling-dropped", "08_kv_cache", "checkpoints.py",
+        "                    scaling=scaling)",
+        "                    scaling=None)",
+        cells=CHECKPOINT_CELLS),
+    Bug("ch09-roofline-causal-pairs-miss-diagonal", "09_flash_attention", "roofline.py",
+        "kv_len - q_len + i + 1",
+        "kv_len - q_len + i"),
+    Bug("ch10-delta-rule-adds-without-erasing", "10_linear_attention", "linear.py",
+        "beta.unsqueeze(-1) * (v - stored)",
+        "beta.unsqueeze(-1) * v",
+        cells=DELTA_CELLS),
+    Bug("ch10-gated-delta-chunk-reads-undecayed-state", "10_linear_attention", "linear.py",
+        "outs.append(gamma[:, :, i, :, None] * (q[:, :, i] @ state) + inside[:, :, i] @ written)",
+        "outs.append((q[:, :, i] @ state) + inside[:, :, i] @ written)",
+        cells=DELTA_CELLS),
+    Bug("ch12-gather-in-pool-order", "12_serving", "paged.py",
+        "blocks = pool[block_tables.clamp(min=0)]",
+        "blocks = pool[block_tables.clamp(min=0).sort(dim=1).values]"),
+    Bug("ch12-block-freed-while-shared", "12_serving", "paged.py",
+        "        self.refcount[block] -= 1\n"
+        "        if self.refcount[block] == 0:\n"
+        "            self._free.append(block)",
+        "        self.refcount[block] -= 1\n"
+        "        self._free.append(block)"),
+    Bug("ch12-position-one-too-far", "12_serving", "serve.py",
+        "positions = torch.cat([torch.arange(len(r.table) - r.new, len(r.table))",
+        "positions = torch.cat([torch.arange(len(r.table) - r.new + 1, len(r.table) + 1)"),
+    Bug("ch12-preempted-request-resumed-without-its-tokens", "12_serving", "serve.py",
+        "                request.slots = request.table.reserve(len(request.tokens) - shared)\n"
+        "            except PoolExhausted:\n"
+        "                request.table.free()\n"
+        "                return\n"
+        "            request.new = len(request.tokens) - shared",
+        "                request.slots = request.table.reserve(request.prompt_len - shared)\n"
+        "            except PoolExhausted:\n"
+        "                request.table.free()\n"
+        "                return\n"
+        "            request.new = request.prompt_len - shared"),
+    Bug("appendix-time-is-the-fastest-round", "appendix_performance", "timing.py",
+        "Measured(statistics.median(times[name]),",
+        "Measured(min(times[name]),",
+        cells=ROUNDS_CELLS),
+    Bug("appendix-unsettled-ratios-printed", "appendix_performance", "timing.py",
+        "return width is not None and width <= tolerance",
+        "return width is None or width > tolerance",
+        cells=ROUNDS_CELLS),
 ]
 
 
@@ -160,13 +241,21 @@ class Run:
 
 
 def run_chapter(chapter: str, package_root: Path, module: str, *, stop_after: int | None = None,
-                on_path: bool = True) -> Run:
-    """Executes book/<chapter>.ipynb (its first ``stop_after + 1`` cells, when given) as the book
-    is built, after the guard cell, in a kernel that imports course_attn from ``package_root``
-    (put first on PYTHONPATH unless ``on_path`` is False: the guard's own test)."""
+                cells: tuple[str, ...] | None = None, on_path: bool = True) -> Run:
+    """Executes book/<chapter>.ipynb (its first ``stop_after + 1`` cells, when given, or only
+    the cells whose ids are ``cells``) as the book is built, after the guard cell, in a kernel that imports course_attn
+    from ``package_root`` (put first on PYTHONPATH unless ``on_path`` is False: the guard's own
+    test). The cell that stopped it is numbered as in the stored chapter."""
     nb = nbformat.read(BOOK / f"{chapter}.ipynb", as_version=4)
+    stored = list(range(len(nb.cells)))
+    if cells is not None:
+        index = {cell.get("id"): i for i, cell in enumerate(nb.cells)}
+        missing = [c for c in cells if c not in index]
+        assert not missing, f"book/{chapter} has no cell with the id {missing}: update the bug"
+        stored = sorted(index[c] for c in cells)
     if stop_after is not None:
-        nb.cells = nb.cells[:stop_after + 1]
+        stored = [i for i in stored if i <= stop_after]
+    nb.cells = [nb.cells[i] for i in stored]
     nb.cells.insert(0, guard_cell(package_root, module))
     first = [str(package_root)] if on_path else []
     env = {**os.environ,
@@ -179,7 +268,8 @@ def run_chapter(chapter: str, package_root: Path, module: str, *, stop_after: in
     except CellExecutionError as error:
         failed = next(i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
                       and any(o.output_type == "error" for o in cell.outputs))
-        return Run(failed - 1, error.ename, error.evalue, time.perf_counter() - begin)
+        where = -1 if failed == 0 else stored[failed - 1]
+        return Run(where, error.ename, error.evalue, time.perf_counter() - begin)
     return Run(None, "", "", time.perf_counter() - begin)
 
 
@@ -201,7 +291,7 @@ CAUGHT_AT: dict[str, list[int]] = {}
 
 @pytest.mark.parametrize("bug", BUGS, ids=[bug.id for bug in BUGS])
 def test_the_chapter_catches_the_bug(bug, tmp_path):
-    run = run_chapter(bug.chapter, mutated_copy(bug, tmp_path), bug.module)
+    run = run_chapter(bug.chapter, mutated_copy(bug, tmp_path), bug.module, cells=bug.cells)
     print(f"{bug.id}: book/{bug.chapter} stopped at cell {run.cell} "
           f"({run.ename}) after {run.seconds:.0f} s")
     assert run.cell != -1, (f"{bug.id}: the guard cell failed, not the chapter: {run.ename}: "
@@ -211,10 +301,12 @@ def test_the_chapter_catches_the_bug(bug, tmp_path):
     assert run.ename == "AssertionError", (
         f"{bug.id}: book/{bug.chapter} cell {run.cell} raised {run.ename}: {run.evalue}; a "
         "chapter catches a bug with an assert, not with an error of the code around it")
-    CAUGHT_AT.setdefault(bug.chapter, []).append(run.cell)
+    if bug.cells is None:
+        CAUGHT_AT.setdefault(bug.chapter, []).append(run.cell)
 
 
-@pytest.mark.parametrize("chapter", sorted({bug.chapter for bug in BUGS}))
+
+@pytest.mark.parametrize("chapter", sorted({bug.chapter for bug in BUGS if bug.cells is None}))
 def test_the_unmutated_copy_passes_the_cells_that_caught_bugs(chapter, tmp_path):
     caught = CAUGHT_AT.get(chapter)
     last = max(caught) if caught else None
@@ -222,3 +314,16 @@ def test_the_unmutated_copy_passes_the_cells_that_caught_bugs(chapter, tmp_path)
     print(f"control: book/{chapter} up to cell {last} in {run.seconds:.0f} s")
     assert run.cell is None, (f"book/{chapter}, unmutated, failed at cell {run.cell}: "
                               f"{run.ename}: {run.evalue}")
+
+
+SUBSETS = sorted({(bug.chapter, bug.cells) for bug in BUGS if bug.cells is not None})
+
+
+@pytest.mark.parametrize("chapter, cells", SUBSETS,
+                         ids=[f"{chapter}-cells-{'-'.join(cells)}"
+                              for chapter, cells in SUBSETS])
+def test_the_unmutated_copy_passes_the_cells_that_bugs_run(chapter, cells, tmp_path):
+    run = run_chapter(chapter, mutated_copy(None, tmp_path), "attention.py", cells=cells)
+    print(f"control: book/{chapter}, cells {cells}, in {run.seconds:.0f} s")
+    assert run.cell is None, (f"book/{chapter}, unmutated, cells {cells}, failed at cell "
+                              f"{run.cell}: {run.ename}: {run.evalue}")
