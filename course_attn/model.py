@@ -428,6 +428,12 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, do_sample: bool = 
             raise ValueError(f"learned positions stop at seq_len={model.config.seq_len}, but "
                              f"rolling=True keeps every token at its own position, up to "
                              f"{end - 1}: use position='rope', or rolling=False")
+    if (mask is not None and model.past_seq_len == "slide"
+            and idx.shape[1] + max_new_tokens - 1 > model.config.seq_len):
+        raise ValueError(f"a padded batch of {idx.shape[1]} + {max_new_tokens} tokens outgrows "
+                         f"seq_len={model.config.seq_len}, where this model slides its window, "
+                         "which would hold fewer tokens of a padded row: generate the rows one "
+                         "at a time")
     if model.past_seq_len == "refuse" and max_new_tokens:
         real = idx.shape[1] if mask is None else int(mask.sum(dim=1).max())
         last = real + max_new_tokens - 2              # the last position the model reads
@@ -512,12 +518,10 @@ def _generate(model, idx, max_new_tokens, sample, eos, pad, mask, use_cache, pre
     positions = _learned_positions(None if mask is None else mask[:, start:idx.shape[1]], model)
     for _ in range(max_new_tokens):
         if context is not None and len(caches[0]) + pending.shape[1] > context:
-            for cache in caches:              # the model's context slides: start afresh
-                cache.reset()
+            for cache in caches:              # the model's context slides: start afresh (never
+                cache.reset()                 # with a padded batch: generate refuses it)
             start = window(idx.shape[1]).start
             pending = idx[:, start:]
-            positions = _learned_positions(
-                None if mask is None else mask[:, start:idx.shape[1]], model)
         logits = _cache_and_predict(model, pending, caches, prefill_chunk,
                                     None if mask is None else mask[:, start:],
                                     positions)                                     # (B, V)

@@ -238,6 +238,23 @@ def test_sampling_options_without_do_sample_warn_and_stay_greedy():
     assert torch.equal(out, generate(model, prompt, 6))
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_left_padded_batch_gives_each_prompt_its_own_tokens(use_cache):
+    """The course's GPT (learned positions: each row's own, counted from its first token),
+    within seq_len = 12; past it, where the model slides, a padded batch is refused."""
+    model = small_gpt()
+    rows = [torch.randint(11, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 2)]
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    mask = torch.zeros(2, 5, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, 5 - len(row):], mask[i, 5 - len(row):] = row, 1
+    out = generate(model, ids, 6, attention_mask=mask, use_cache=use_cache)
+    for i, row in enumerate(rows):
+        assert torch.equal(out[i, 5:], generate(model, row[None], 6)[0, len(row):])
+    with pytest.raises(ValueError, match="outgrows seq_len=12, where this model slides"):
+        generate(model, ids, 9, attention_mask=mask, use_cache=use_cache)
+
+
 def test_eos_ends_a_row_and_pads_it():
     """The course's GPT has no end token of its own; given one, a finished row is padded and
     generation stops once every row has ended."""
