@@ -648,6 +648,49 @@ def test_memory_exponent_cannot_be_answered_without_measuring():
             assert not all(result.passed for result in judged), (guess, seed)
 
 
+def test_memory_exponent_no_answer_of_the_name_and_width_alone_passes_any_seed():
+    """Issue 42: a table keyed by name and head width (nothing measured) scored 3/3 on about 80%
+    of gradings. Every seed now asks about the growing tiles at heads of 64 on short and on long
+    lengths, whose accepted answers (the exponent, give or take its tolerance) do not overlap:
+    whatever a table holds for ("growing", 64), it fails one of them."""
+    from course_attn.grading.ch09 import _exponent_tolerance
+    exercise = get(EXPONENT)
+    for seed in range(5):
+        accepted = []
+        for case in hidden_cases(EXPONENT, seed):
+            name, lengths, dim = case.args
+            if name == "growing" and dim == 64:
+                centre = exercise.expected(case)
+                tolerance = _exponent_tolerance(name, tuple(lengths), dim)
+                accepted.append((centre - tolerance, centre + tolerance))
+        (low_a, high_a), (low_b, high_b) = sorted(accepted)
+        assert high_a < low_b, (seed, accepted)
+
+
+def test_memory_exponent_typed_in_or_the_largest_allocation_earns_nothing():
+    """Issue 42: one typed number earned 1.5/3, a dictionary by name 1/3, the largest single
+    allocation instead of the peak 2/3. The growing tiles are the exercise's central regimes:
+    each of these fails one of them on every seed, and earns 0."""
+    from course_attn.grading.ch09 import _with_rule
+    table = {("naive", 16): 1.97, ("tiled", 16): 1.0, ("growing", 16): 1.47,
+             ("growing", 64): 1.3}
+
+    def typed(name, lengths, dim):
+        return 1.5
+
+    def by_name(name, lengths, dim):
+        return {"naive": 2.0, "tiled": 1.0, "growing": 1.3}[name]
+
+    def by_name_and_width(name, lengths, dim):
+        return table.get((name, dim), {"naive": 2.0, "tiled": 1.0}.get(name, 1.3))
+    largest = _with_rule(largest=True)
+    largest.__name__ = "largest"
+    for seed in range(2):
+        for answer in (typed, by_name, by_name_and_width, largest):
+            judgement = grade_here(get(EXPONENT), answer, seed, watch_banned=False)
+            assert judgement.credit() == 0, (answer.__name__, seed, judgement.reason())
+
+
 def test_the_measured_exponent_is_stable_and_separates_naive_from_tiled():
     """The reference measures the same bytes on every run (the peak does not depend on timing or
     on the values), and its tolerance is far below the gap between the two attentions."""

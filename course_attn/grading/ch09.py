@@ -899,15 +899,17 @@ def _slope(xs, ys):
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def _exponent(name, lengths, dim, *, inputs=False, total=False, log_t=math.log,
-              log_peak=math.log):
+def _exponent(name, lengths, dim, *, inputs=False, total=False, largest=False,
+              log_t=math.log, log_peak=math.log):
     """The fitted exponent of peak bytes against T; or a variant: ``inputs`` counts q, k, v
-    (3 T dim floats) as held, ``total`` sums every allocation instead of the peak, ``log_t``
-    and ``log_peak`` are what the fit takes of T and of the bytes."""
+    (3 T dim floats) as held, ``total`` sums every allocation instead of the peak, ``largest``
+    takes the largest single allocation, ``log_t`` and ``log_peak`` are what the fit takes of T
+    and of the bytes."""
     peaks = []
     for t in lengths:
         sizes = _allocations(ATTENTIONS[name], t, dim)
-        measured = sum(s for s in sizes if s > 0) if total else _peak(sizes)
+        measured = (sum(s for s in sizes if s > 0) if total else max(sizes) if largest
+                    else _peak(sizes))
         peaks.append(measured + (3 * t * dim * 4 if inputs else 0))
     return _slope([log_t(t) for t in lengths], [log_peak(p) for p in peaks])
 
@@ -950,6 +952,9 @@ def _exponent_cases():
                         hint="a tile of scores is (T, block): it grows with T once")
     yield exponent_case("tiled", (100, 300, 700), 32,
                         hint="lengths that do not double: fit all three points at once")
+    yield exponent_case("growing", (56, 84, 126), 64,
+                        hint="no formula gives this one: what is held at once is the inputs' "
+                             "and the output's rows beside a tile of scores")
 
 
 def _with_rule(**rule):
@@ -965,6 +970,8 @@ register(Exercise(
         Mistake("you added up every allocation the call makes, freed or not: the tiled forward "
                 "allocates a tile of scores per key block, but frees each before the next; the "
                 "peak is what it holds at once", _with_rule(total=True)),
+        Mistake("you took the largest single allocation: the peak is what the call holds at "
+                "once, every tensor alive at that moment together", _with_rule(largest=True)),
         Mistake("you fitted the log of the bytes against T itself: a power law is a straight "
                 "line in log T", _with_rule(log_t=float)),
         Mistake("you fitted against T itself and the bytes themselves: a power law is a "

@@ -400,19 +400,33 @@ def _(gen):
 # ch09.memory_exponent (measure): the naive and the tiled attention on every seed, three lengths
 # drawn in [64, 768], doubling or not, heads of 16 to 64. Summing every allocation is wrong on
 # the tiled one; the fits against T, or with two log bases, are wrong on both. And the growing
-# tiles (4 ceil(sqrt(T)) keys), for which the chapter has no formula, at heads of 16 and of 64
-# on the same lengths: their exponents lie further apart than both tolerances (about 1.45 and
-# 1.15), so no number typed in, 1.5 included, passes both; only a measurement does.
+# tiles (4 ceil(sqrt(T)) keys), for which the chapter has no formula, the point of the
+# exercise (central: an answer wrong there earns nothing): at heads of 16 on the drawn lengths,
+# and at heads of 64 on short lengths (48 to 72, times 1.5 and 2.25) and on long ones (700 to
+# 800, then 300-400 and 900-1000 more). At heads of 64 the two exponents (about 1.12 and 1.43)
+# lie further apart than their two tolerances, so no answer that depends on the name and the
+# width alone (a table typed in) passes both; only a measurement on the grader's lengths does.
+# The largest single allocation (a tile of scores, exponent 1.5) is wrong on the short ones.
+def _growing(dim, short=None):
+    def inside(case):
+        name, lengths, width = case.args
+        return name == "growing" and width == dim and (
+            short is None or (max(lengths) < 200) == short)
+    return inside
+
+
 @hidden("ch09.memory_exponent", regimes={
     "naive": lambda case: case.args[0] == "naive",
     "tiled": lambda case: case.args[0] == "tiled",
-    "growing tiles, heads of 16": lambda case: case.args[0] == "growing" and case.args[2] == 16,
-    "growing tiles, heads of 64": lambda case: case.args[0] == "growing" and case.args[2] == 64,
+    "growing tiles, heads of 16": _growing(16),
+    "growing tiles, heads of 64, lengths below 200": _growing(64, short=True),
+    "growing tiles, heads of 64, lengths above 600": _growing(64, short=False),
     "lengths that double": lambda case: case.args[1][1] == 2 * case.args[1][0] and
         case.args[1][2] == 2 * case.args[1][1],
     "lengths that do not double": lambda case: not (case.args[1][1] == 2 * case.args[1][0]
                                                     and case.args[1][2] == 2 * case.args[1][1]),
-})
+}, central=("growing tiles, heads of 16", "growing tiles, heads of 64, lengths below 200",
+            "growing tiles, heads of 64, lengths above 600"))
 def _(gen):
     t = 64 * randint(1, 3, gen)
     yield exponent_case("naive", (t, 2 * t, 4 * t), 16 * randint(1, 4, gen))
@@ -421,8 +435,12 @@ def _(gen):
     yield exponent_case("tiled", lengths, 16 * randint(1, 4, gen))
     yield exponent_case(("naive", "tiled")[randint(0, 1, gen)], (t, 2 * t, 4 * t),
                         16 * randint(1, 4, gen))
-    for dim in (16, 64):
-        yield exponent_case("growing", lengths, dim)
+    yield exponent_case("growing", lengths, 16)
+    short = randint(48, 72, gen)
+    yield exponent_case("growing", (short, short * 3 // 2, short * 9 // 4), 64)
+    long = randint(700, 800, gen)
+    yield exponent_case("growing", (long, long + randint(300, 400, gen),
+                                    long + randint(900, 1000, gen)), 64)
 
 
 # ch09.flash_backward: every seed draws Tq = Tk, Tq < Tk and Tq > Tk (causal: rows that see no
