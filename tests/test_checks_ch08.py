@@ -18,6 +18,7 @@ import course_attn
 from course_attn.decode_bench import decode_model
 from course_attn.grading import get, run_exercise
 from course_attn.grading.ch08 import DECODE_MODEL_SIZES, GPT2_SMALL_SIZES, _macs, rope_tables
+from course_attn.grading.check import grade_here
 from course_attn.grading.exercise import hidden_cases
 from course_attn.model import GPT, GPTConfig
 
@@ -605,6 +606,21 @@ def uncached_loop():
             sequence = torch.cat([sequence, rows[-1].argmax().reshape(1)])
         return torch.stack(rows)
     return generate
+
+
+def test_greedy_decode_without_the_cache_scores_0():
+    """Issue 42: rerunning the whole sequence at every step (the notebook's demonstration of
+    the model without a cache) gives the right logits and scored 4/4, though the exercise asks
+    to keep the cache. It feeds the prompt again at every step: the guard counts what is read of
+    the prompt, and the second read scores 0, named."""
+    judgement = run_exercise(get(DECODE_LOOP), uncached_loop())
+    assert all(r.passed for r in judgement.results)       # the values are right
+    assert judgement.credit() == 0
+    assert judgement.reason().startswith("reads prompt a second time, in torch.cat")
+    assert "the prompt goes through the model once, in the prefill" in judgement.reason()
+    for seed in range(3):
+        assert grade_here(get(DECODE_LOOP), uncached_loop(), seed).credit() == 0, seed
+        assert grade_here(get(DECODE_LOOP), given_loop(REPAIRED), seed).credit() == 1, seed
 
 
 def _given_namespace():

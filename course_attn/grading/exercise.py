@@ -84,7 +84,8 @@ class Exercise:
     tensor arguments the function must read where they are, never copy; ``no_table``: the
     positions of q, k and the block size of a tiled computation, which may not make a whole
     (Tq, Tk) table; ``read_once``: the arguments a one-pass computation reads only once
-    (``harness.Guard``). ``given``: for a debug exercise, the buggy function as the notebook
+    (``harness.Guard``), and ``read_once_why`` what a second read misses, for the student.
+    ``given``: for a debug exercise, the buggy function as the notebook
     gives it (same signature): a regime of the hidden cases in which it is already right is no
     regime of the exercise (``judge.Judgement.parts``), so handing it in unchanged scores 0.
     """
@@ -104,6 +105,7 @@ class Exercise:
     no_table: tuple[int, int, int] | None = None
     read_once: tuple[tuple[int, str], ...] = ()
     given: Callable | None = None
+    read_once_why: str = "it takes each chunk once, in one pass"
 
     @property
     def chapter(self) -> str:

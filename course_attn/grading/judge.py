@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .exercise import Case, Exercise, central_regimes, hidden_regimes
+from .exercise import Case, Exercise, central_regimes, get, hidden_regimes
 from .harness import COPY_OF, READ_AGAIN, SWITCHES_OFF, TABLE_OF, encode
 
 NOT_IMPLEMENTED = "not answered yet"
@@ -150,7 +150,7 @@ class Judgement:
             if what.startswith(READ_AGAIN):
                 name, _, how = what.removeprefix(READ_AGAIN).partition(": ")
                 return (f"reads {name} a second time, in {how}, which this exercise does not "
-                        "allow: it takes each chunk once, in one pass")
+                        f"allow: {_read_once_why(self.key)}")
             if what.startswith(TABLE_OF):
                 return (f"makes {what}, which this exercise does not allow: it works tile by "
                         "tile, so what it holds grows as T, not T²")
@@ -183,6 +183,13 @@ class Judgement:
         text = f"{nothing}{right}{len(failed)} of {len(self.results)} cases failed ({which}, " \
                f"{where}: {shown.message}"
         return text + (f"; hint: {shown.hint})" if shown.hint else ")")
+
+
+def _read_once_why(key: str) -> str:
+    try:
+        return get(key).read_once_why
+    except ValueError:
+        return Exercise.read_once_why
 
 
 # Hints for errors that say by themselves what the student did, whatever the exercise: shown in
