@@ -335,7 +335,7 @@ def _check_prompt(idx, attention_mask) -> Tensor | None:
                else type(attention_mask).__name__)
         raise ValueError(f"attention_mask must have idx's shape {tuple(idx.shape)}, got {got}")
     mask = attention_mask.to(idx.device).bool()
-    if not torch.equal(mask, attention_mask.to(idx.device) != 0) or not mask[:, -1].all():
+    if not ((attention_mask == 0) | (attention_mask == 1)).all() or not mask[:, -1].all():
         raise ValueError("attention_mask must be 1 for tokens and 0 for padding, padded on the "
                          "left (tokenizer.padding_side = 'left'), as transformers' generate needs")
     if not torch.equal(mask, mask.int().cummax(dim=1).values.bool()):

@@ -291,6 +291,8 @@ def test_generate_errors():
         generate(model, prompt, 1, eos_token_id="2")
     with pytest.raises(ValueError, match="padded on the left"):
         generate(model, prompt, 1, attention_mask=torch.tensor([[1, 0]]))
+    with pytest.raises(ValueError, match="1 for tokens and 0 for padding"):
+        generate(model, prompt, 1, attention_mask=torch.tensor([[2, 1]]))
     with pytest.raises(ValueError, match="between tokens or on the right"):
         generate(model, torch.zeros(1, 3, dtype=torch.long), 1,
                  attention_mask=torch.tensor([[1, 0, 1]]))
