@@ -478,8 +478,9 @@ def _generate(model, idx, max_new_tokens, sample, eos, pad, mask, use_cache, pre
     """``generate``'s loop, its arguments checked; ``rolling_sinks`` is None for full caches,
     ``mask`` (B, T) None without padding."""
     context = model.config.seq_len if model.past_seq_len == "slide" else None
-    end_ids = torch.tensor(eos, dtype=torch.long, device=idx.device)
-    finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+    if eos:                          # which rows have ended; nothing to track without an end
+        end_ids = torch.tensor(eos, dtype=torch.long, device=idx.device)
+        finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     if mask is not None:             # grown with the tokens, each step
         mask = torch.cat([mask, mask.new_ones(idx.shape[0], max_new_tokens)], dim=1)
 
