@@ -359,14 +359,16 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, do_sample: bool = 
     (on idx's device) seeds the draws; None draws from torch's global generator, as transformers
     does. ``temperature=0`` is greedy too (the course's older spelling). Unlike transformers,
     a checkpoint's ``generation_config.json`` sets no sampling: only its end and pad tokens, and
-    ``top_k`` has no default (transformers' is 50).
+    ``top_k`` has no default (transformers' is 50). Sampling options without ``do_sample``
+    are not used, with a warning (transformers warns too).
 
     ``eos_token_id`` (an id or a list; None: ``model.generation_config``'s, () for none): a row
     that generates one is finished; the batch goes on for the others, a finished row gets
     ``pad_token_id`` (None: the model's, else the first end token), and generation stops once
     every row is finished. ``attention_mask`` (B, T), 1 for tokens and 0 for padding: a batch of
     prompts of different lengths, padded on the left; the padding is never attended to, and each
-    row's tokens equal those of its prompt alone, as transformers'.
+    row's tokens equal those of its prompt alone, as transformers' (a model that slides past
+    ``seq_len``, below, refuses a padded batch that would outgrow it).
 
     ``use_cache=True``: the prompt is run once (the prefill, ``prefill_chunk`` tokens per forward
     when given), its keys and values kept in one ``KVCache`` per layer, and then each step runs
