@@ -243,9 +243,10 @@ class Run:
 def run_chapter(chapter: str, package_root: Path, module: str, *, stop_after: int | None = None,
                 cells: tuple[str, ...] | None = None, on_path: bool = True) -> Run:
     """Executes book/<chapter>.ipynb (its first ``stop_after + 1`` cells, when given, or only
-    the cells whose ids are ``cells``) as the book is built, after the guard cell, in a kernel that imports course_attn
-    from ``package_root`` (put first on PYTHONPATH unless ``on_path`` is False: the guard's own
-    test). The cell that stopped it is numbered as in the stored chapter."""
+    the cells whose ids are ``cells``) as the book is built, after the guard cell, in a kernel
+    that imports course_attn from ``package_root`` (put first on PYTHONPATH unless ``on_path``
+    is False: the guard's own test). The cell that stopped it is numbered as in the stored
+    chapter."""
     nb = nbformat.read(BOOK / f"{chapter}.ipynb", as_version=4)
     stored = list(range(len(nb.cells)))
     if cells is not None:
