@@ -475,7 +475,8 @@ class PretrainedGPT(GPT):
             length = min(config.seq_len, ROPE_TABLE)
             with torch.device("cpu"):     # computed, never loaded: real even when the weights
                 rotary = RotaryEmbedding(  # are built on the meta device (load_pretrained)
-                    config.head_dim, length, config.rope_base, scaling=scaling)
+                    config.head_dim, length, config.rope_base,
+                    scaling=scaling)
                 if config.local_rope_base is not None:
                     local = RotaryEmbedding(config.head_dim, length, config.local_rope_base)
         block = (PostNormBlock if config.norm_after or config.norm_before_and_after
