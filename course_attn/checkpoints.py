@@ -31,7 +31,11 @@ conversion script permuted the rows of Wq and Wk to move from one to the other.
 ``rope_layout="interleaved"`` undoes that permutation (``interleave_rows``) and rotates
 interleaved pairs: the same model, the same logits.
 
-transformers is not imported here: safetensors reads the tensors, ``json`` the config.
+transformers is not imported here: safetensors reads the tensors (memory-mapped, handed to a
+model built on the meta device: the weights are held once), ``json`` the config and
+``generation_config.json`` (the end and pad tokens ``generate`` reads), huggingface_hub finds a
+hub id in its cache. Past max_position_embeddings a RoPE model generates on, as transformers';
+config keys that would change the maths of the architecture named are refused by name.
 """
 
 import dataclasses
