@@ -22,7 +22,7 @@ from course_attn.grading.check import grade_here
 from course_attn.grading.exercise import hidden_cases
 from course_attn.model import GPT, GPTConfig
 
-from check_support import assert_banned, assert_fails, results
+from check_support import assert_banned, assert_fails, assert_fails_unnamed, results
 from helpers import SOLUTIONS_DIR
 
 FILL, STEP, SAVINGS = "ch08.fill_cache", "ch08.decode_step", "ch08.decode_savings"
@@ -656,8 +656,15 @@ def test_first_divergence_passes_and_its_mistakes_are_named():
         assert judgement.passed, [(r.name, r.message) for r in judgement.results if not r.passed]
     first = "a prompt of 4, 10 new tokens; V=16, C=16, H=2, D=8"
     later = "a prompt of 2, 12 new tokens; V=16, C=16, H=2, D=8"
-    assert_fails(DIVERGENCE, divergence("logits"), later, hint="compared the logits",
-                 message="too small")
+    # comparing the logits answers 1 whatever the model (issue 42: told "you compared the
+    # logits" when 1 was typed in): no mistake is named, and a constant earns nothing
+    assert_fails_unnamed(DIVERGENCE, divergence("logits"), later, message="too small")
+    for answer in (divergence("logits"), lambda params, prompt, n_new: 1):
+        judgement = run_exercise(get(DIVERGENCE), answer)
+        assert not any(r.named for r in judgement.results)
+        assert judgement.reason().startswith(
+            "earns nothing: it gives the same answer whatever the input; ")
+        assert grade_here(get(DIVERGENCE), answer, 0).credit() == 0
     assert_fails(DIVERGENCE, divergence(shift=1), first, hint="counting from 1",
                  message="too large")
     assert_fails(DIVERGENCE, divergence(shift="prompt"), first, hint="start of the prompt")

@@ -223,6 +223,45 @@ def test_a_repair_wrong_in_no_declared_way_gets_no_hint():
     assert_fails_unnamed(REQUESTS, lifo_reversed, SHARED, message="holds other blocks")
 
 
+# Other mistakes, outside the free loop (issue 42: each was told the leak's hint, "a block
+# whose count reaches zero never goes back to the free list", which it does not make): the
+# solution's source with one line changed.
+OTHER_BUGS = {
+    "a fork with its own copied blocks": (
+        """            tables[rid] = tables[op[2]][:math.ceil(op[3] / block_size)]
+            for block in tables[rid]:
+                refcount[block] += 1""",
+        """            tables[rid] = [allocate() for _ in range(math.ceil(op[3] / block_size))]"""),
+    "a first-in-first-out free list": ("        block = free.pop()\n",
+                                        "        block = free.pop(0)\n"),
+    "a floor in the fork": ("tables[op[2]][:math.ceil(op[3] / block_size)]",
+                            "tables[op[2]][:op[3] // block_size]"),
+}
+
+
+def other_bug(name):
+    nb = nbformat.read(ROOT / "solutions" / "12_serving.ipynb", as_version=4)
+    (cell,) = [c for c in nb.cells
+               if c.metadata.get("nbgrader", {}).get("grade_id") == "ch12-run_requests-solution"]
+    old, new = OTHER_BUGS[name]
+    assert old in cell.source, name
+    namespace = {"math": math}
+    exec(cell.source.replace(old, new), namespace)
+    return namespace["run_requests"]
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_BUGS))
+def test_a_bug_outside_the_free_loop_is_not_told_the_free_loops_hint(name):
+    """A hint names a mistake only where the answer is that mistake's on every failed case;
+    these three bugs are none of the declared ones, so their cases say what differs."""
+    for cases in (None, hidden_cases(REQUESTS, 0) + hidden_cases(REQUESTS, 1)):
+        judgement = run_exercise(get(REQUESTS), other_bug(name), cases, watch_banned=False)
+        failed = [r for r in judgement.results if not r.passed]
+        assert failed, name
+        assert all(not r.named and r.message for r in failed), \
+            [(r.name, r.hint) for r in failed if r.named]
+
+
 @pytest.mark.parametrize("on_free", sorted(WRONG_REPAIRS))
 def test_each_wrong_repair_fails_the_hidden_cases_of_every_seed(on_free):
     assert_fails_on_every_seed(REQUESTS, wrong_repair(on_free))

@@ -102,3 +102,47 @@ def test_a_wrong_answer_that_is_no_declared_mistake_gets_no_named_hint(key):
         wrong = one_entry_off(expected, case.part)
         result = judge_case(exercise, case, expected, Answer(value=wrong))
         assert not result.passed and not result.named, (case.name, result.hint)
+
+
+MISTAKES = [(key, number) for key in sorted(EXERCISES) if EXERCISES[key].kind == "function"
+            for number in range(len(EXERCISES[key].mistakes))]
+
+
+@pytest.mark.parametrize("key, number", MISTAKES, ids=[f"{k}-{n}" for k, n in MISTAKES])
+def test_a_mistake_is_named_only_where_the_answer_is_that_mistake_everywhere(key, number):
+    """Issue 42: a hint named a mistake whenever one failed case's answer was that mistake's
+    (three other bugs of ch12.run_requests were all told the leak's hint). An answer that is
+    the mistake's on the inputs of the first public case it fails, and the reference's on
+    every other input, is named by that hint only where the mistake is wrong on no other input
+    (of the parts that fail); else it is not that mistake, and no case names it."""
+    from course_attn.grading import run_exercise
+    from course_attn.grading.judge import fingerprint, same_answer
+    exercise = EXERCISES[key]
+    mistake, cases = exercise.mistakes[number], exercise.public_cases()
+
+    def inputs(args, kwargs):
+        return fingerprint([list(args), dict(kwargs)])
+
+    def is_wrong(case, fn=mistake.fn):
+        try:
+            value = fn(*case.args, **dict(case.kwargs))
+        except Exception:
+            return True
+        return not same_answer(exercise, value, exercise.expected(case), case)
+    wrong = [case for case in cases if is_wrong(case)]
+    # where another mistake with the same hint is right, the hint may still be this answer's
+    alike = [m.fn for m in exercise.mistakes if m.hint == mistake.hint]
+    if not wrong:
+        pytest.skip("the mistake fails no public case")
+    first = inputs(wrong[0].args, wrong[0].kwargs)
+
+    def partly(*args, **kwargs):
+        answer = mistake.fn if inputs(args, kwargs) == first else exercise.reference
+        return answer(*args, **kwargs)
+    judgement = run_exercise(exercise, partly, watch_banned=False)
+    failed_parts = {r.part for r in judgement.results if not r.passed}
+    elsewhere = [c for c in wrong if inputs(c.args, c.kwargs) != first and
+                 c.part in failed_parts and all(is_wrong(c, fn) for fn in alike)]
+    named = {r.hint for r in judgement.results if r.named}
+    if elsewhere:
+        assert mistake.hint not in named, (key, mistake.hint, elsewhere[0].name)

@@ -45,9 +45,13 @@ class CaseResult:
     answer_key: str = ""
     expected_key: str = ""
     given_right: bool = False
+    matched: tuple[str, ...] = ()  # the hints of every typical mistake this answer is, here
+    case: Case | None = field(default=None, repr=False, compare=False)
+    expected: object = field(default=None, repr=False, compare=False)
 
 
 OTHER_CASES = "the cases in no regime"
+CONSTANT = "it gives the same answer whatever the input"
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Judgement:
     banned: list[str] = field(default_factory=list)
     missing: bool = False  # the notebook does not define the function
     by_regime: bool = False  # the grader's rule: an answer in one piece earns each regime it passes
+    _settled: bool = field(default=False, repr=False, compare=False)  # settle_hints ran
 
     @property
     def passed(self) -> bool:
@@ -97,6 +102,44 @@ class Judgement:
             regimes = {k: v for k, v in regimes.items() if k in broken}
         return regimes if len(regimes) > 1 else {}
 
+    def settle_hints(self) -> None:
+        """A failed case keeps a hint that names a typical mistake only where the answer is
+        that mistake: equal to the mistake's answer on every case where the mistake is wrong
+        (of its part, for a multi-part answer), never right where the mistake is wrong, and
+        never for an answer that is the same whatever the input. An answer that is a
+        mistake's on one case and right, or something else, where that mistake is wrong is
+        not that mistake: the message alone says what differs (which entries, which regime).
+        A second mistake of its own, on cases the first gets right, keeps both named."""
+        if self._settled:
+            return
+        self._settled = True
+        constant = self.non_answer() == CONSTANT
+        for part in {r.part for r in self.results if not r.passed}:
+            group = [r for r in self.results if r.part == part]
+            hints = dict.fromkeys(h for r in group if not r.passed for h in r.matched)
+            named = set() if constant else {h for h in hints if self._is(h, group)}
+            for r in group:
+                if r.passed or not r.named or r.hint in named:
+                    continue
+                kept = [h for h in r.matched if h in named]
+                r.hint, r.named = (kept[0], True) if kept else ("", False)
+
+    def _is(self, hint: str, group: list[CaseResult]) -> bool:
+        """Whether the answer is the typical mistake ``hint`` names on ``group``: on every
+        case, the mistake's answer is the student's, or the mistake is right there and the
+        student is not (a mistake of the student's own)."""
+        try:
+            exercise = get(self.key)
+        except ValueError:    # an exercise made up in a test: only what was matched
+            return all(hint in r.matched for r in group if not r.passed)
+        mistakes = [m for m in exercise.mistakes if m.hint == hint]
+        for r in group:
+            if not r.passed and hint in r.matched:
+                continue
+            if r.case is None or not any(_right(exercise, m, r) for m in mistakes):
+                return False
+        return True
+
     def _by_regime(self, parts) -> bool:
         return bool(parts) and not all(r.part for r in self.results)
 
@@ -130,7 +173,7 @@ class Judgement:
         answers = {r.answer_key for r in self.results}
         if len(self.results) > 1 and len(answers) == 1 and "" not in answers and \
                 len({r.expected_key for r in self.results}) > 1:
-            return "it gives the same answer whatever the input"
+            return CONSTANT
         return ""
 
     @property
@@ -166,6 +209,7 @@ class Judgement:
         failed = [r for r in self.results if not r.passed]
         if not failed:
             return "passed"
+        self.settle_hints()
         nothing = self.non_answer()
         nothing = f"earns nothing: {nothing}; " if nothing else ""
         # The case to show: one whose answer is a typical mistake's, so the hint names it,
@@ -259,6 +303,12 @@ def name_the_mistake(exercise: Exercise, case: Case, value) -> str:
     """The hint of the first typical mistake whose answer for ``case`` equals ``value``, or "".
     Where several give the part of the answer that ``case`` judges, the first whose whole
     answer is the student's too."""
+    return _mistakes_giving(exercise, case, value)[0]
+
+
+def _mistakes_giving(exercise: Exercise, case: Case, value) -> tuple[str, tuple[str, ...]]:
+    """The hint ``name_the_mistake`` names, and the hints of every mistake that gives
+    ``value`` for ``case``."""
     matching = []
     for mistake in exercise.mistakes:
         try:
@@ -267,25 +317,32 @@ def name_the_mistake(exercise: Exercise, case: Case, value) -> str:
             continue
         if same_answer(exercise, value, wrong, case):
             matching.append((mistake, wrong))
+    hints = tuple(dict.fromkeys(m.hint for m, _ in matching))
     if len(matching) > 1 and case.part:
         whole = [m for m, wrong in matching if same_answer(exercise, value, wrong)]
         if whole:
-            return whole[0].hint
-    return matching[0][0].hint if matching else ""
+            return whole[0].hint, hints
+    return (matching[0][0].hint if matching else ""), hints
 
 
 def name_the_error(exercise: Exercise, case: Case, error: dict) -> str:
     """The hint of the first typical mistake that raises, on ``case``, the error the student's
     code raised (same type, same message): a ``.view`` after a transpose, a reduction without
     ``keepdim`` that cannot broadcast. "" if none does."""
+    hints = _mistakes_raising(exercise, case, error)
+    return hints[0] if hints else ""
+
+
+def _mistakes_raising(exercise: Exercise, case: Case, error: dict) -> tuple[str, ...]:
+    hints = []
     for mistake in exercise.mistakes:
         try:
             mistake.fn(*case.args, **dict(case.kwargs))
         except Exception as raised:
             if type(raised).__name__ == error.get("type") and \
                     str(raised).strip() == str(error.get("message") or "").strip():
-                return mistake.hint
-    return ""
+                hints.append(mistake.hint)
+    return tuple(dict.fromkeys(hints))
 
 
 def tensor_pairs(value, expected, case: Case | None = None, where: str = "your result"):
@@ -348,7 +405,8 @@ def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
     name, part = case.name, case.part
     regimes = tuple(regime for regime, holds in hidden_regimes(exercise.key).items()
                     if _holds(holds, case))
-    seen = dict(given_right=given_is_right(exercise, case, expected))
+    seen = dict(given_right=given_is_right(exercise, case, expected), case=case,
+                expected=expected)
     if exercise.kind == "function" and answer.error is None and not answer.unsendable:
         seen.update(answer_key=fingerprint(answer.value), expected_key=fingerprint(expected))
 
@@ -357,7 +415,9 @@ def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
     if answer.error is not None:
         if answer.error.get("type") == "NotImplementedError":
             return failed(describe_error(answer.error))
-        named = name_the_error(exercise, case, answer.error)
+        matched = _mistakes_raising(exercise, case, answer.error)
+        named = matched[0] if matched else ""
+        seen["matched"] = matched
         return failed(describe_error(answer.error), named or error_hint(answer.error),
                       bool(named))
     if answer.unsendable:
@@ -366,7 +426,7 @@ def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
     try:
         exercise.compare(answer.value, expected, case)
     except AssertionError as error:
-        named = name_the_mistake(exercise, case, answer.value)
+        named, seen["matched"] = _mistakes_giving(exercise, case, answer.value)
         pairs = tensor_pairs(answer.value, expected, case)
         wrong_dtype = next(((where, a, b) for where, a, b in pairs if a.dtype != b.dtype), None)
         hint = dtype_hint(*wrong_dtype) if wrong_dtype is not None else ""
@@ -379,6 +439,16 @@ def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
                       "place", "compute a new tensor or list instead of writing into the input")
     return CaseResult(name, True, hint=case.hint, hidden=hidden, part=part, regimes=regimes,
                       **seen)
+
+
+def _right(exercise: Exercise, mistake, result: CaseResult) -> bool:
+    """Whether ``mistake`` answers ``result``'s case right."""
+    case = result.case
+    try:
+        value = mistake.fn(*copy.deepcopy(case.args), **copy.deepcopy(dict(case.kwargs)))
+    except Exception:
+        return False
+    return same_answer(exercise, value, result.expected, case)
 
 
 def fingerprint(value) -> str:
@@ -415,6 +485,7 @@ def format_judgement(judgement: Judgement) -> str:
     if judgement.not_implemented:
         return f"{judgement.key}: not answered yet ({len(judgement.results)} checks waiting)"
     passed = sum(r.passed for r in judgement.results)
+    judgement.settle_hints()
     if judgement.banned:  # failed first: the checks below cannot make up for it
         lines = [f"{judgement.key}: failed: it {judgement.reason()}",
                  f"  (apart from that, {passed}/{len(judgement.results)} checks passed)"]
