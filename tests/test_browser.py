@@ -71,6 +71,19 @@ TOO_WIDE = """ids => ids.map(id => {
     const width = Math.ceil(figure.querySelector("svg").getBoundingClientRect().width);
     return [id, width, column.clientWidth];
 }).filter(([id, width, room]) => width > room)"""
+# The window in which a code block or an output must fit its box: the book's column is 786 px
+# wide at 1440 px, as at 1920 px. Toggled cells are opened first, so that hidden code counts too.
+READING_WIDTH = 1440
+WIDE_BLOCKS = """() => {
+    document.querySelectorAll("main details").forEach(d => { d.open = true; });
+    return [...document.querySelectorAll("main pre")]
+        .filter(pre => pre.scrollWidth > pre.clientWidth)
+        .map(pre => {
+            const kind = pre.closest(".cell_output") ? "output" : "code";
+            const line = pre.textContent.split("\\n").reduce((a, b) => b.length > a.length ? b : a);
+            return `${kind} ${pre.scrollWidth} px in ${pre.clientWidth} px: ${line.trim()}`;
+        });
+}"""
 # A figure's alt text that only names its file: what Sphinx writes when no alt is given.
 FILE_NAME_ALT = re.compile(r"^\S*\.(png|jpe?g|svg|gif)$", re.IGNORECASE)
 
@@ -183,6 +196,7 @@ class Reading:
     weight: int = 0               # bytes of the site's files the page loaded
     figures: int = 0              # interactive figures drawn
     figure_problems: list[str] | None = None  # what hovering and sliding them found wrong
+    wide_blocks: list[str] | None = None  # code and output wider than their box, READING_WIDTH
 
 
 STRAY_DOLLARS = """skip => {
@@ -265,6 +279,8 @@ def read(browser, site):
                 for figure, width, room in p.evaluate(TOO_WIDE, visit.figures)]
             cache[page].figure_problems += [problem for figure in visit.figures
                                             for problem in probe_interactive_figure(p, figure)]
+            p.set_viewport_size({"width": READING_WIDTH, "height": 900})
+            cache[page].wide_blocks = p.evaluate(WIDE_BLOCKS)
         finally:
             visit.close()
         return cache[page]
@@ -320,6 +336,15 @@ def test_no_serious_or_critical_accessibility_violation(read, page):
     r = read(page)
     for scheme, violations in r.accessibility.items():
         assert not violations, f"{page} ({scheme} mode), axe-core: " + "; ".join(violations)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_code_and_output_fit_their_box_at_1440_px(read, page):
+    """No code block and no printed output needs a horizontal scroll bar in a 1440 px window: the
+    code is formatted to the column, the output wraps in it (_ext/fitted_outputs.py)."""
+    wide = read(page).wide_blocks
+    assert not wide, (f"{page}: {len(wide)} blocks wider than their box at {READING_WIDTH} px, "
+                      "the widest line of each: " + "; ".join(wide))
 
 
 @pytest.mark.parametrize("page", PAGES)
