@@ -13,6 +13,11 @@ freed and it waits again, with the tokens it generated, to be recomputed later (
 recomputation, Kwon et al., 2023, §4.5). A request whose prompt starts like a running request's
 shares the blocks of that common prefix and runs only the rest (prefix sharing).
 
+Each request is decoded with ``generate``'s arguments (``model.py``, transformers' conventions):
+greedy unless ``do_sample=True``, then temperature, ``top_k``, ``top_p`` and a seeded
+``torch.Generator`` of its own; a request that emits an end token (``eos_token_id``) finishes
+at that step and its blocks go back to the pool, while the others go on.
+
 The engine reads the model's own modules, so a ``GPT`` (``model.py``) and a checkpoint loaded by
 ``load_pretrained`` run alike: ``token_embedding``, ``position_embedding`` (or None),
 ``blocks`` (each with ``attn_norm``, ``attn`` a ``MultiHeadAttention``, ``mlp_norm`` and
@@ -21,12 +26,14 @@ The engine reads the model's own modules, so a ``GPT`` (``model.py``) and a chec
 len(cache) .. len(cache) + T - 1): a ragged batch needs a position per token.
 """
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from .arguments import check_non_negative_ints, check_positive_ints
+from .model import GenerationConfig, _next_token, _token_ids
 from .multihead import merge_heads
 from .paged import (BlockTable, PagedKVCache, PoolExhausted, block_tables_tensor,
                     paged_attention)
@@ -60,7 +67,8 @@ class _Request:
     tokens: list[int]
     prompt_len: int
     table: BlockTable
-    limit: int                  # new tokens to generate
+    limit: int                  # new tokens to generate, at most
+    generator: torch.Generator | None = None   # its draws, when sampling
     new: int = 0                # tokens fed in the current step
     slots: Tensor | None = None   # (new,) their flat slots in the pool
 
@@ -87,12 +95,13 @@ class StepRecord:
 
 
 class Engine:
-    """Greedy generation for many requests at once, on a paged KV cache of ``num_blocks``
-    blocks of ``block_size`` tokens per layer.
+    """Generation for many requests at once, on a paged KV cache of ``num_blocks`` blocks of
+    ``block_size`` tokens per layer.
 
-    ``engine.generate(prompts, max_new_tokens)`` -> the new tokens of each request, in request
-    order: the tokens ``generate(model, prompt, max_new_tokens, temperature=0)`` gives for each
-    alone. ``max_new_tokens`` may be one limit per request. ``max_batch`` caps the requests
+    ``engine.generate(prompts, max_new_tokens, **options)`` -> the new tokens of each request,
+    in request order: for each, the tokens ``generate(model, prompt, max_new_tokens, **options)``
+    gives it alone (``model.py``; greedy by default, an end token included, no padding after
+    it). ``max_new_tokens`` may be one limit per request. ``max_batch`` caps the requests
     running at once (None: as many as the blocks hold); ``share_prefixes`` turns prefix
     sharing on or off. ``engine.steps`` records every step of the last call (a ``StepRecord``
     each), ``engine.pool`` is the block pool.
@@ -139,14 +148,34 @@ class Engine:
         return limits
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]],
-                 max_new_tokens: int | list[int]) -> list[list[int]]:
-        """Greedy continuations of every prompt -> the new tokens of each request, in order:
-        max_new_tokens of them (an int for all, or a list with one limit per request)."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], *,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None,
+                 generator: list[torch.Generator | None] | None = None,
+                 eos_token_id=None) -> list[list[int]]:
+        """Continue every prompt -> the new tokens of each request, in order: at most
+        max_new_tokens of them (an int for all, or a list with one limit per request).
+
+        ``generate``'s options, with its meaning: greedy unless ``do_sample=True``, then drawn
+        from softmax(logits / temperature) cut to ``top_k`` and ``top_p``. ``generator``: one
+        ``torch.Generator`` (or None) per request, on the model's device; each request draws
+        from its own only, in its own order, so it gets the tokens ``generate`` gives its prompt
+        alone with a generator seeded alike, whatever else runs beside it (None: torch's global
+        generator, drawn in the order the rows run). ``eos_token_id`` (an id or a list; None:
+        ``model.generation_config``'s): a request that emits one finishes with it, and its
+        blocks are freed in that step.
+        """
         limits = self._check(prompts, max_new_tokens)
+        generators = self._check_sampling(len(prompts), do_sample, temperature, top_k, top_p,
+                                          generator)
+        config = getattr(self.model, "generation_config", GenerationConfig())
+        eos = set(config.eos_token_id if eos_token_id is None
+                  else _token_ids(eos_token_id, "eos_token_id"))
+        sampling = do_sample and temperature != 0
         self.steps = []
         done = {i: [] for i, n in enumerate(limits) if n == 0}
-        waiting = [_Request(i, list(p), len(p), self.pool.new_table(), limit=limits[i])
+        waiting = [_Request(i, list(p), len(p), self.pool.new_table(), limit=limits[i],
+                            generator=generators[i])
                    for i, p in enumerate(prompts) if limits[i] > 0]
         running: list[_Request] = []
         while waiting or running:
@@ -154,12 +183,18 @@ class Engine:
             self._reserve_decode_slots(running, waiting, record)
             if not record.preempted or not running:
                 self._admit(running, waiting, record)
-            next_tokens = self._forward(running).argmax(dim=-1)                # (B,) greedy
+            logits = self._forward(running)                                    # (B, V)
+            if sampling:      # row by row: each request draws from its own generator
+                next_tokens = [int(_next_token(logits[b:b + 1], True, temperature, top_k, top_p,
+                                               request.generator))
+                               for b, request in enumerate(running)]
+            else:
+                next_tokens = logits.argmax(dim=-1).tolist()
             record.running = [r.index for r in running]
             record.fed_tokens = sum(r.new for r in running)
-            for request, token in zip(list(running), next_tokens.tolist()):
+            for request, token in zip(list(running), next_tokens):
                 request.tokens.append(token)
-                if len(request.generated) == request.limit:
+                if len(request.generated) == request.limit or token in eos:
                     done[request.index] = request.generated
                     request.table.free()
                     running.remove(request)
@@ -168,6 +203,39 @@ class Engine:
             record.blocks_used = self.pool.num_used
             self.steps.append(record)
         return [done[i] for i in range(len(prompts))]
+
+    def _check_sampling(self, n: int, do_sample, temperature, top_k, top_p,
+                        generator) -> list[torch.Generator | None]:
+        """``generate``'s sampling options checked as it checks them (ValueError, one line) ->
+        each request's generator."""
+        if not isinstance(do_sample, bool):
+            raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
+        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                or not temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        if top_k is not None:
+            check_positive_ints(top_k=top_k)
+        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                                  or not 0 < top_p <= 1):
+            raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        if generator is None:
+            generator = [None] * n
+        if isinstance(generator, torch.Generator) or not isinstance(generator, (list, tuple)):
+            raise ValueError(f"generator must be a list with one torch.Generator (or None) per "
+                             f"request, got a {type(generator).__name__}: a generator shared by "
+                             f"the requests would draw in the batch's order")
+        if len(generator) != n:
+            raise ValueError(f"generator has {len(generator)} generators for {n} prompts")
+        for i, g in enumerate(generator):
+            if g is not None and (not isinstance(g, torch.Generator)
+                                  or g.device.type != self.device.type):
+                raise ValueError(f"generator[{i}] must be a torch.Generator on the model's "
+                                 f"device ({self.device}) or None, got {g!r}")
+        if not do_sample and (temperature not in (0, 1) or top_k not in (None, 1)
+                              or top_p not in (None, 1) or any(g is not None for g in generator)):
+            warnings.warn("Engine.generate is greedy unless do_sample=True (as generate): "
+                          "temperature, top_k, top_p and generator are not used", stacklevel=4)
+        return list(generator)
 
     def _reserve_decode_slots(self, running: list[_Request], waiting: list[_Request],
                               record: StepRecord) -> None:

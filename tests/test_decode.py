@@ -521,9 +521,13 @@ def test_generate_runs_the_prompt_once_then_one_token_a_step(prompt, new, chunk,
 def test_sampling_with_the_cache_follows_the_generator(device):
     model = gpt(device=device, position="rope")
     idx = tokens(4, 3, device=device)
-    first = generate(model, idx, 10, generator=torch.Generator(device).manual_seed(1), top_k=5)
-    again = generate(model, idx, 10, generator=torch.Generator(device).manual_seed(1), top_k=5)
-    assert torch.equal(first, again) and ((first >= 0) & (first < 13)).all()
+    def sampled(seed):
+        return generate(model, idx, 10, do_sample=True, top_k=5,
+                        generator=torch.Generator(device).manual_seed(seed))
+    first = sampled(1)
+    assert torch.equal(first, sampled(1)) and ((first >= 0) & (first < 13)).all()
+    assert not torch.equal(first, sampled(2))                  # the draws follow the seed
+    assert not torch.equal(first, generate(model, idx, 10))    # and are not greedy
 
 
 @pytest.mark.parametrize("chunk", [0, -2, 1.5, True, "4"])

@@ -1,5 +1,6 @@
-"""serve.py: the continuous-batching Engine gives every request the tokens that greedy
-``generate`` gives it alone, whatever the arrival order, block size, GQA ratio, preemptions and
+"""serve.py: the continuous-batching Engine gives every request the tokens that ``generate``
+gives it alone with the same arguments (greedy, or sampled with a seeded generator per request;
+stopped at an end token), whatever the arrival order, block size, GQA ratio, preemptions and
 shared prefixes, on the course's GPT and on loaded checkpoints; it frees blocks as requests end
 and refuses what it cannot serve, saying why.
 
@@ -19,7 +20,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from course_attn.model import generate
+from course_attn.model import GenerationConfig, generate
 from course_attn.serve import Engine
 from helpers import gpt
 
@@ -216,3 +217,156 @@ def test_bad_requests_are_refused_by_name(prompts, max_new, message):
     engine = Engine(model_of("MHA, learned positions"), block_size=4, num_blocks=4)
     with pytest.raises(ValueError, match=message):
         engine.generate(prompts, max_new)
+
+
+def alone(model, prompts, max_new_tokens, seeds=None, **options):
+    """Each prompt's new tokens from ``generate``, one prompt at a time, with ``options`` (and a
+    generator seeded ``seeds[i]`` for prompt i when seeds are given)."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        if seeds is not None:
+            options["generator"] = torch.Generator().manual_seed(seeds[i])
+        idx = generate(model, torch.tensor([prompt]), max_new_tokens, **options)
+        out.append(idx[0, len(prompt):].tolist())
+    return out
+
+
+def generators(seeds):
+    return [torch.Generator().manual_seed(seed) for seed in seeds]
+
+
+@pytest.mark.parametrize("name", ["GQA 4:2, RoPE", "MHA, learned positions"])
+def test_a_request_that_emits_its_end_token_finishes_there_and_frees_its_blocks(name):
+    model = model_of(name)
+    prompts = prompts_of(seed=3, shared=())
+    greedy = reference(model, prompts, 9)
+    # an end token that some requests emit before their 9th token, and some never do
+    end = next(t for t in greedy[0][:-1] if 2 <= sum(t in g[:-1] for g in greedy) < len(greedy))
+    expected = alone(model, prompts, 9, eos_token_id=end)
+    assert expected[0] == greedy[0][:greedy[0].index(end) + 1]
+    assert 2 <= sum(len(tokens) < 9 for tokens in expected) < len(prompts)
+    engine = Engine(model, block_size=4, num_blocks=64, share_prefixes=False)
+    assert engine.generate(prompts, 9, eos_token_id=end) == expected
+    # all run from step 0; request i holds len(prompt) + s tokens after step s, until the step
+    # of its last token, len(expected[i]) - 1, which frees its blocks
+    last = [len(tokens) - 1 for tokens in expected]
+    for s, step in enumerate(engine.steps):
+        assert step.finished == [i for i in range(len(prompts)) if last[i] == s]
+        assert step.blocks_used == sum(-(-(len(p) + s) // 4)
+                                       for p, t in zip(prompts, last) if t > s)
+    assert held_blocks_at_end(engine) == (0, 0)
+
+
+def test_the_end_tokens_default_to_the_models_generation_config():
+    model = model_of("MQA 4:1")
+    prompts = prompts_of(seed=3, n=4, shared=())
+    greedy = reference(model, prompts, 6)
+    end = greedy[1][1]
+    model.generation_config = GenerationConfig(eos_token_id=(end, 99))
+    expected = alone(model, prompts, 6)
+    assert len(expected[1]) == 2
+    assert Engine(model, block_size=4, num_blocks=32).generate(prompts, 6) == expected
+    assert Engine(model, block_size=4, num_blocks=32).generate(
+        prompts, 6, eos_token_id=[]) == greedy                              # [] for none
+
+
+SAMPLING = {
+    "temperature": dict(temperature=0.7),
+    "top_k": dict(top_k=4),
+    "top_p": dict(top_p=0.8, temperature=1.3),
+    "all, with an end token": dict(temperature=0.9, top_k=6, top_p=0.9, eos_token_id=3),
+}
+
+
+@pytest.mark.parametrize("block_size, num_blocks", [(4, 64), (2, 9)])      # (2, 9) preempts
+@pytest.mark.parametrize("options", SAMPLING.values(), ids=list(SAMPLING))
+@pytest.mark.parametrize("name", ["GQA 4:2, RoPE", "MHA, learned positions"])
+def test_each_request_samples_from_its_own_generator_as_generate_does_alone(
+        name, options, block_size, num_blocks):
+    model = model_of(name)
+    prompts = prompts_of(seed=5)
+    seeds = [100 + i for i in range(len(prompts))]
+    expected = alone(model, prompts, 8, seeds, do_sample=True, **options)
+    greedy = alone(model, prompts, 8, eos_token_id=options.get("eos_token_id", ()))
+    assert expected != greedy                                                  # it samples
+    engine = Engine(model, block_size=block_size, num_blocks=num_blocks)
+    out = engine.generate(prompts, 8, do_sample=True, generator=generators(seeds), **options)
+    assert out == expected
+    assert (sum(len(step.preempted) for step in engine.steps) > 0) == (num_blocks == 9)
+    assert held_blocks_at_end(engine) == (0, 0)
+
+
+def test_one_request_alone_samples_token_for_token_as_generate_even_on_the_global_generator():
+    model = model_of("GQA, RoPE, QK-norm, window 5")
+    prompt = [3, 1, 4, 1, 5]
+    torch.manual_seed(7)
+    expected = alone(model, [prompt], 20, do_sample=True, top_k=5)
+    torch.manual_seed(7)
+    engine = Engine(model, block_size=4, num_blocks=8)
+    assert engine.generate([prompt], 20, do_sample=True, top_k=5) == expected
+    assert engine.generate([prompt], 20, do_sample=True, top_k=5,
+                           generator=generators([7])) == expected   # seeded alike
+
+
+SAMPLED_OUTPUT = 6
+
+
+@functools.cache
+def workload_reference(name, prompt, limit, seed, end, do_sample):
+    """``generate``'s new tokens for POOL_PROMPTS[prompt] alone."""
+    return alone(model_of(name), [POOL_PROMPTS[prompt]], limit, None if seed is None else [seed],
+                 do_sample=do_sample, top_k=5 if do_sample else None,
+                 eos_token_id=() if end is None else end)[0]
+
+
+@given(name=st.sampled_from(["GQA 4:2, RoPE", "MHA, learned positions"]),
+       picks=st.lists(st.tuples(st.integers(0, len(POOL_PROMPTS) - 1),
+                                st.integers(1, SAMPLED_OUTPUT), st.integers(0, 3)),
+                      min_size=1, max_size=8),
+       end=st.one_of(st.none(), st.integers(0, 12)), do_sample=st.booleans(),
+       block_size=st.sampled_from([1, 2, 4, 16]), spare_blocks=st.integers(0, 30),
+       max_batch=st.one_of(st.none(), st.integers(1, 4)), share=st.booleans())
+def test_any_workload_with_end_tokens_and_sampling_gives_generates_tokens(
+        name, picks, end, do_sample, block_size, spare_blocks, max_batch, share):
+    """Requests drawn from a pool of prompts, each with its own limit and generator seed (two
+    requests may hold equal seeds: each draws from its own generator), an end token or none."""
+    prompts = [POOL_PROMPTS[i] for i, _, _ in picks]
+    limits = [n for _, n, _ in picks]
+    smallest = max(-(-(len(p) + n - 1) // block_size) for p, n in zip(prompts, limits))
+    engine = Engine(model_of(name), block_size=block_size, num_blocks=smallest + spare_blocks,
+                    max_batch=max_batch, share_prefixes=share)
+    expected = [workload_reference(name, i, n, seed if do_sample else None, end, do_sample)
+                for i, n, seed in picks]
+    out = engine.generate(prompts, limits, do_sample=do_sample, top_k=5 if do_sample else None,
+                          eos_token_id=() if end is None else end,
+                          generator=generators([seed for _, _, seed in picks]) if do_sample
+                          else None)
+    assert out == expected
+    assert held_blocks_at_end(engine) == (0, 0)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(do_sample=1), "do_sample must be True or False, got 1"),
+    (dict(do_sample=True, temperature=-1), "temperature must be a number >= 0, got -1"),
+    (dict(do_sample=True, top_k=0), "top_k must be a positive int"),
+    (dict(do_sample=True, top_p=1.5), r"top_p must be a number in \(0, 1\], got 1.5"),
+    (dict(do_sample=True, generator=torch.Generator()),
+     "generator must be a list with one torch.Generator .or None. per request, got a Generator"),
+    (dict(do_sample=True, generator=[None]), "generator has 1 generators for 2 prompts"),
+    (dict(do_sample=True, generator=[None, 3]), r"generator\[1\] must be a torch.Generator"),
+    (dict(eos_token_id=True), "eos_token_id must be a token id, a list of them or ()"),
+])
+def test_bad_generation_options_are_refused_by_name(options, message):
+    engine = Engine(model_of("MQA 4:1"), block_size=4, num_blocks=8)
+    with pytest.raises(ValueError, match=message):
+        engine.generate([[1, 2], [3]], 2, **options)
+
+
+def test_sampling_options_without_do_sample_warn_and_stay_greedy():
+    model = model_of("MQA 4:1")
+    prompts = [[1, 2], [3]]
+    engine = Engine(model, block_size=4, num_blocks=8)
+    with pytest.warns(UserWarning, match="greedy unless do_sample=True") as caught:
+        out = engine.generate(prompts, 4, top_k=2, generator=generators([0, 1]))
+    assert caught[0].filename == __file__                        # points at the caller
+    assert out == reference(model, prompts, 4)
