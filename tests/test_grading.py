@@ -30,7 +30,8 @@ from course_attn.grading import cli, grader, kernel  # noqa: E402
 from course_attn.grading.canonical import load_canonical  # noqa: E402
 from course_attn.grading.generate import grade_id  # noqa: E402
 from course_attn.grading.notebook import chapter_of  # noqa: E402
-from course_attn.grading.restore import restore_protected_cells  # noqa: E402
+from course_attn.grading.restore import restore_protected_cells, students_code  # noqa: E402
+from course_attn.grading.review import GRADER, review_flags  # noqa: E402
 
 # Per cell; generous because the setup cell imports torch, which takes seconds on a busy machine
 # (a cell interrupted in the middle of `import torch` leaves torch half imported).
@@ -234,37 +235,39 @@ def test_fresh_exercise_scores_zero(graded):
 
 
 T = CELL_TIMEOUT_S
+# an answer that fails every hidden case is no answer: it earns nothing, whatever it passed
+NOTHING = r"earns nothing: it fails every hidden case; "
 EXPECTED = [
     # the setup (cell 2) is deleted: double's solution is the student's cell 3
     ("broken", "ch99-double", r"SyntaxError in your code \(cell 3\): .+"),
     ("broken", "ch99-row_sum",
-     r"3 of 3 cases failed \(first, '\(2, 3, 4\) -> \(2, 3\)': your result has shape \(2, 3, 1\), "
+     NOTHING + r"3 of 3 cases failed \(first, '\(2, 3, 4\) -> \(2, 3\)': your result has shape \(2, 3, 1\), "
      r"expected \(2, 3\); hint: you keep the summed dimension: the result is \(B, T\), not "
      r"\(B, T, 1\)\)"),
     ("broken", "ch99-normalize",
-     r"3 of 3 cases failed \(first, 'rows sum to one': IndexError: Dimension out of range .+ "
+     NOTHING + r"3 of 3 cases failed \(first, 'rows sum to one': IndexError: Dimension out of range .+ "
      r"\(line 2 of its cell\)\)"),   # no declared mistake raises it: no hint
     ("broken", "ch99-count_positive", r"not answered: the notebook does not define count_positive"),
     ("hostile", "ch99-double",
      rf"timed out after {T} s \(computing your double for the grader's inputs\)"),
     ("hostile", "ch99-row_sum",
-     r"3 of 3 cases failed \(first, '\(2, 3, 4\) -> \(2, 3\)': SystemExit \(line 4 of its cell\)\)"),
-    ("hostile", "ch99-normalize", r"\d of 3 cases failed \(first, 'rows sum to one': .+"),
+     NOTHING + r"3 of 3 cases failed \(first, '\(2, 3, 4\) -> \(2, 3\)': SystemExit \(line 4 of its cell\)\)"),
+    ("hostile", "ch99-normalize", NOTHING + r"\d of 3 cases failed \(first, 'rows sum to one': .+"),
     ("hostile", "ch99-count_positive", r"check cell missing"),
     ("dies", "ch99-row_sum",
      r"the kernel died \(exit status 1\) \(computing your row_sum for the grader's inputs\)"),
     ("segfault", "ch99-row_sum",
      r"the kernel died \(SIGSEGV\) \(computing your row_sum for the grader's inputs\)"),
-    ("cheats", "ch99-double", r"4 of 4 cases failed \(first, 'B=2, T=3': your result differs .+"),
-    ("cheats", "ch99-row_sum", r"1 of 3 cases failed \(first, a hidden case(?: \(.+?\))?: your result differs "
+    ("cheats", "ch99-double", NOTHING + r"4 of 4 cases failed \(first, 'B=2, T=3': your result differs .+"),
+    ("cheats", "ch99-row_sum", NOTHING + r"1 of 3 cases failed \(first, a hidden case(?: \(.+?\))?: your result differs "
                                r"from the expected one: largest error .+\)"),
     ("cheats", "ch99-normalize", r"calls course_attn\.attention\.softmax, which this exercise does "
                                  r"not allow: write the computation yourself"),
     ("cheats", "ch99-count_positive",
-     r"3 of 3 cases failed \(first, '\(3, 7\) -> \(3,\)': your result has shape \(\), expected "
+     NOTHING + r"3 of 3 cases failed \(first, '\(3, 7\) -> \(3,\)': your result has shape \(\), expected "
      r"\(3,\); hint: .+\)"),
     ("mess", "ch99-double",
-     r"4 of 4 cases failed \(first, 'B=2, T=3': ran out of memory \(RuntimeError, line 6 of "
+     NOTHING + r"4 of 4 cases failed \(first, 'B=2, T=3': ran out of memory \(RuntimeError, line 6 of "
      r"its cell\)\)"),
     ("mess", "ch99-count_positive", r"not answered: the notebook does not define count_positive"),
 ]
@@ -282,6 +285,9 @@ def test_tampered_cells_are_restored_and_flagged(graded):
     assert flags == [
         "locked cell ch99-setup (cell 2) was modified; the original was run",
         "check cell ch99-normalize (cell 11) was modified; the original was run",
+        # the changed setup is not run, but what it reached for is read all the same
+        "for review (no points lost): cell 2 imports or reaches the grader's package "
+        "(course_attn.grading)",
         f"the evaluation of ch99-double was interrupted after {T} s (time limit); grading went on",
     ]
     # the exercise was graded although the student replaced its check cell by `pass` and
@@ -339,20 +345,22 @@ def test_a_graded_call_runs_in_the_kernel_alone(graded):
 def test_forgeries_and_patched_grading_code_are_worth_nothing(graded):
     entry = graded["by_name"]["cheats"]
     assert (entry["total"], entry["max"]) == (0, 10)
-    assert entry["flags"] == ["for review (no points lost): cell 13 imports or reaches the "
-                              "grader's package (course_attn.grading)"]
+    assert entry["flags"] == [
+        "for review (no points lost): cell 4 replaces the kernel's own machinery (IPython's "
+        "user_expressions, execution, replies)",  # its input transformer forges the checks
+        "for review (no points lost): cell 13 imports or reaches the grader's package "
+        "(course_attn.grading)"]
 
 
 def test_memory_bomb_huge_output_duplicate_and_reordered_cells(graded):
-    """The memory bomb fails its own exercise and the kernel lives on: the next ones pass."""
+    """The memory bomb fails its own exercise and the kernel lives on: the next ones pass.
+    Cells moved out of their order are graded where they stand, with no flag."""
     entry = graded["by_name"]["mess"]
     got = scores(graded, "mess")
     assert [got[g]["points"] for g in POINTS] == [0, 3, 2, 0]
     assert got["ch99-row_sum"]["reason"] == got["ch99-normalize"]["reason"] == "passed"
     assert entry["flags"] == [
         "cell 11 repeats the grade_id ch99-normalize-solution of cell 10; both ran, in order",
-        "cells are out of their original order: ch99-count_positive-solution (cell 15) comes "
-        "after ch99-count_positive (cell 14)",
         "cell 7 printed 5,050,000 characters of output",
     ]
 
@@ -496,10 +504,33 @@ def test_a_check_cell_without_its_metadata_is_still_found_and_not_flagged():
     restored = restore_protected_cells(nb, canonical)
     assert set(restored.placed) == set(POINTS)
     assert restored.flags == [
-        "cell 16 repeats the grade_id ch99-row_sum of cell 8; it ran as the student wrote it"]
+        "cell 16 repeats the grade_id ch99-row_sum of cell 8; it was not run"]
+    assert nb.cells[15].cell_type == "markdown" and nb.cells[15].source == ""
     assert nb.cells[restored.placed["ch99-row_sum"]].source == \
         canonical.protected["ch99-row_sum"].source
     assert grade_id(nb.cells[restored.placed["ch99-double"]]) == "ch99-double"
+
+
+def test_a_repeated_or_changed_protected_cell_is_not_run_but_is_read():
+    """Issue 41: a cell that repeats a check cell's grade_id with disarming code in it was run
+    as written and never scanned. Now it is not run (a markdown cell stands in its place) and
+    the review reads it, as it reads a changed setup cell whose original is run instead; the
+    course's own cells, as the course wrote them, are not read."""
+    import course_fixture_ch99  # noqa: F401 (the exercises of the fixture's chapter)
+    canonical = load_canonical(FIXTURE_SOLUTIONS / FIXTURE)
+    nb = nbformat.read(FIXTURES / "exercises" / FIXTURE, as_version=4)
+    setup = next(c for c in nb.cells if grade_id(c) == "ch99-setup")
+    setup.source += "\nfrom course_attn.grading import harness\n"
+    nb.cells.append(nbformat.v4.new_code_cell(
+        "import course_attn.grading.harness as h\nh.Guard.__enter__ = lambda self: self\n",
+        metadata={"nbgrader": {"grade": True, "grade_id": "ch99-row_sum", "points": 3}}))
+    written = students_code(nb, canonical)
+    restore_protected_cells(nb, canonical)
+    assert nb.cells[-1].cell_type == "markdown" and nb.cells[-1].source == ""
+    setup_at = next(i for i, c in enumerate(nb.cells) if grade_id(c) == "ch99-setup")
+    assert "harness" not in nb.cells[setup_at].source  # the course's setup runs instead
+    assert review_flags(written) == [
+        f"for review (no points lost): cell {setup_at + 1}, cell {len(nb.cells)} {GRADER}"]
 
 
 def test_every_cell_without_metadata_the_course_cells_are_found_by_their_source():

@@ -74,8 +74,6 @@ RUN_TIME_CODE = review("runs code built at run time (exec, eval, compile, __impo
 PROCESSES = review("starts another process (multiprocessing, subprocess, os.fork, os.system)")
 DUNDERS = review("reads Python's internals through a dunder attribute (__globals__, __closure__, "
                  "__dict__)")
-COMPUTED_NAMES = review("reaches an attribute by a name computed at run time (getattr, setattr, "
-                        "delattr)")
 DISPATCH = review("hooks into torch's dispatch (__torch_function__, torch modes)")
 GRADER_PACKAGE = review("imports or reaches the grader's package (course_attn.grading)")
 MACHINERY = review("replaces the kernel's own machinery (IPython's user_expressions, execution, "
@@ -384,6 +382,29 @@ SAFE_SOFTMAX_UNDER_AN_EXCLUDED_KEY = '''def stable_softmax(x, dim=-1):
         return torch.ops.aten._safe_softmax(x, dim)
 '''
 
+RESULT_KEPT_UNDER_AN_EXCLUDED_KEY = '''KEPT = []
+
+def stable_softmax(x, dim=-1):
+    hidden = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)   # no torch mode sees it
+    with torch._C.DisableTorchFunction(), torch._C._ExcludeDispatchKeyGuard(hidden):
+        out = torch.ops.aten._safe_softmax(x, dim)
+    KEPT.append(out)   # held here too, so that it passes for a tensor cached before the call
+    return out
+'''
+
+A_NESTED_NAMESPACE_FED_THROUGH_PIPES = '''import subprocess
+import sys
+
+# the first process of a user and PID namespace of its own, as bubblewrap's init is of the
+# sandbox's: a rule that spares "process 1 of its namespace" would spare it too
+CHILD = subprocess.Popen(
+    ["unshare", "--user", "--pid", "--fork", sys.executable, "-c",
+     "import json, sys, torch\\nfor line in sys.stdin:\\n"
+     "    print(json.dumps(torch.softmax(torch.tensor(json.loads(line)), -1).tolist()), "
+     "flush=True)"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+'''
+
 SOFTMAX_THROUGH_EXEC = '''exec("def stable_softmax(x, dim=-1):\\n    return torch.softmax(x, dim=dim)\\n")
 '''
 
@@ -599,7 +620,8 @@ ATTACKS = {
     "patched_comparisons_and_builtins": Attack(
         "issue 8: patched comparisons, builtins and the grader's judge in the kernel",
         "03_patched", "ch03-causal_mask", PATCHED_COMPARISONS,
-        fails_first_or_named(r"'square, Tq=Tk=4': your result: 6 of 16 entries differ; hint: .+\)"),
+        fails_first_or_named(r"'square, Tq=Tk=4': your result: 6 of 16 entries differ"
+                             r"(?:; hint: .+)?\)"),
         (GRADER_PACKAGE, DUNDERS)),
     "lookup_table_of_the_public_cases": Attack(
         "issue 8: the public cases answered from a table recorded before grading",
@@ -609,11 +631,11 @@ ATTACKS = {
     "input_transformer_forges_the_checks": Attack(
         "issue 8: an input transformer that prints a pass for every check cell",
         "03_b", "ch03-causal_mask", TRANSFORMER_FORGES_CHECKS,
-        fails_first_or_named(r"'square, Tq=Tk=4': .+")),
+        fails_first_or_named(r"'square, Tq=Tk=4': .+"), (MACHINERY,)),  # issue 41: now read
     "transformers_rewrite_the_graders_code": Attack(
         "issue 8: input and AST transformers that would rewrite the grader's code",
         "03_c", "ch03-causal_mask", TRANSFORMERS_REWRITE_THE_GRADER,
-        banned("course_attn.masks.causal_mask")),
+        banned("course_attn.masks.causal_mask"), (MACHINERY,)),  # issue 41: now read
     "sibling_query_key_offsets": Attack(
         "issue 8: a sibling function of the package", "03_d", "ch03-causal_mask",
         SIBLING_OFFSETS, banned("course_attn.masks.query_key_offsets")),
@@ -708,6 +730,19 @@ ATTACKS = {
         "Python key (no mode sees it: a tensor made where the guard saw no operation)", "02_h",
         "ch02-stable_softmax", SAFE_SOFTMAX_UNDER_AN_EXCLUDED_KEY, SWITCHED,
         (switched_flag("ch02-stable_softmax"), C_CORE)),
+    "result_kept_under_an_excluded_dispatch_key": Attack(
+        "issue 41: torch.ops.aten._safe_softmax with torch's function hook off and the Python "
+        "key excluded, the result also kept in a global list (it passed for a cache): a tensor "
+        "made during the call while the guard saw no operation scores 0, whoever holds it",
+        "02_n", "ch02-stable_softmax", RESULT_KEPT_UNDER_AN_EXCLUDED_KEY, SWITCHED,
+        (switched_flag("ch02-stable_softmax"), C_CORE, DISPATCH)),
+    "softmax_in_a_nested_namespace_started_before": Attack(
+        "issue 41: torch.softmax in a child started before the graded calls as the first process "
+        "of a nested user and PID namespace: the sandbox makes no namespace (--disable-userns) "
+        "and the grader ends every process but bubblewrap's init and the kernel, known by the "
+        "pids recorded at start, so the function writes to a pipe nobody reads", "02_o",
+        "ch02-stable_softmax", SOFTMAX_IN_A_CHILD_STARTED_BEFORE,
+        FAILS + r".*BrokenPipeError.*", (PROCESSES,), before=A_NESTED_NAMESPACE_FED_THROUGH_PIPES),
     "softmax_through_exec": Attack(
         "issue 30: the answer defined inside exec of a string", "02_i", "ch02-stable_softmax",
         SOFTMAX_THROUGH_EXEC, banned("torch.softmax"), (RUN_TIME_CODE,)),
@@ -717,12 +752,12 @@ ATTACKS = {
     "guard_sought_through_frames_by_a_computed_name": Attack(
         "issue 30: the guard's settings emptied through frames found with getattr(sys, '_get' + "
         "'frame')", "02_l", "ch02-stable_softmax", GUARD_SOUGHT_THROUGH_FRAMES_BY_A_COMPUTED_NAME,
-        banned("torch.softmax (it runs aten._softmax)"), (COMPUTED_NAMES,)),
+        banned("torch.softmax (it runs aten._softmax)"), (STACK,)),  # the name, folded
     "harness_reached_through_its_closure": Attack(
         "issue 30: the harness's report() replaced through its class's __closure__, so that no "
         "hit reaches the grader", "02_m", "ch02-stable_softmax",
         HARNESS_REACHED_THROUGH_ITS_CLOSURE, banned("torch.softmax"),  # from the answer's record
-        (DUNDERS, OBJECTS)),
+        (DUNDERS, OBJECTS, GRADER_PACKAGE)),  # issue 41: "CourseAttnHarness" in a string too
     "prediction_computed": Attack(
         "issue 30: ch03.fp16_fill computed with the reference's torch code, not predicted",
         "03_d", "ch03-fp16_fill", PREDICTION_COMPUTED, banned("torch.tensor")),
@@ -824,6 +859,27 @@ def blank_with_proc_reader():
     return edit(nb, delete=solution_ids(nb), after={"ch03-setup": SOLUTIONS_THROUGH_PROC})
 
 
+A_THREAD_IN_TORCHSCRIPT = '''import threading
+
+@torch.jit.script
+def serve(box: torch.Tensor) -> torch.Tensor:
+    # never returns to Python, so the guard's modes never reach it: it computes unchecked
+    total = torch.zeros(1)
+    while bool(box[0] == 0.0):
+        total = total + torch.softmax(box[1:], dim=0)[0]
+    return total
+
+BOX = torch.zeros(5)
+threading.Thread(target=serve, args=(BOX,), daemon=True, name="server").start()
+'''
+
+
+def thread_in_torchscript():
+    """Chapter 2's solutions with a thread, started after the setup, that loops inside
+    TorchScript through every graded call."""
+    return edit(solution_notebook(CH02), after={"ch02-setup": A_THREAD_IN_TORCHSCRIPT})
+
+
 def _submissions() -> dict[str, object]:
     """Submission name -> its notebook, with every attack of that name in it."""
     grouped: dict[str, list[Attack]] = {}
@@ -840,6 +896,7 @@ def _submissions() -> dict[str, object]:
             after={**{f"{a.gid}-solution": a.code for a in attacks if a.how == "after"},
                    **{f"{a.gid.split('-')[0]}-setup": a.before for a in attacks if a.before}})
     notebooks["03_blank_proc"] = blank_with_proc_reader()
+    notebooks["02_thread_in_torchscript"] = thread_in_torchscript()
     return notebooks
 
 
@@ -879,10 +936,11 @@ def test_an_attack_scores_0_with_a_reason_that_names_it(graded, name):
     flags."""
     attack = ATTACKS[name]
     grade, attacked = _attacked(graded, attack)
-    # an answer in parts keeps the parts the attack left alone, and only those
-    parts = re.match(r"(\d+) of (\d+) (?:parts|regimes) right(?: \(failed: .*?\))?; "
-                     r"(?=\d+ of \d+ cases failed)", attacked.reason)
-    share = int(parts[1]) / int(parts[2]) if parts else 0.0
+    # an answer in parts keeps the parts the attack left alone, and only those, unless it is no
+    # answer at all (every hidden case failed, the central regime missed): then nothing
+    parts = re.match(r"(earns nothing: [^;]+; )?(?:(\d+) of (\d+) (?:parts|regimes) right"
+                     r"(?: \(failed: .*?\))?; )?(?=\d+ of \d+ cases failed)", attacked.reason)
+    share = int(parts[2]) / int(parts[3]) if parts and parts[2] and not parts[1] else 0.0
     assert share < 1 and not attacked.passed, (attack.what, attacked.reason)
     assert attacked.points == round(attacked.max_points * share, 2), (attack.what, attacked)
     reason = attacked.reason[parts.end():] if parts else attacked.reason
@@ -919,6 +977,99 @@ def test_a_blank_notebook_cannot_read_the_solutions_through_proc(graded):
         assert re.fullmatch(r"not answered: the notebook does not define \w+", exercise.reason), \
             exercise.reason
     assert any(re.fullmatch(PROC, flag) for flag in grade.flags), grade.flags
+
+
+def test_a_thread_that_never_returns_to_python_is_flagged(graded):
+    """Issue 41: a thread started before the graded calls that loops inside TorchScript never
+    takes the guard's modes (a thread takes them the next time it runs Python). The grader
+    sees it from outside, in ``/proc``: a thread that was not the kernel's when its side was
+    installed, running during graded calls, that never ran Python there. Threads that do run
+    Python (a heartbeat, a pool's workers) take the modes and are not flagged
+    (``test_grading_honest``)."""
+    grade = graded["02_thread_in_torchscript"]
+    assert grade.error is None, grade.error
+    assert any(re.fullmatch(r"for review \(no points lost\): 1 thread\(s\) that the notebook "
+                            r"started \(the first named '[^']+'\) ran during the graded calls "
+                            r"\(ch02-\w+ first\) without running Python, where the guard "
+                            r"cannot see what they compute \(a loop in TorchScript or C\)", flag)
+               for flag in grade.flags), grade.flags
+
+
+def test_a_file_beside_the_notebook_cannot_shadow_a_module_the_kernel_imports(tmp_path):
+    """Issue 41: a ``torch.py`` beside the notebook that loads the real torch and makes the
+    guard's modes pass everything. The harness, torch and all they import are loaded before
+    the submission's files reach the kernel's folder, and a file named like such a module is
+    not put there at all, with a one-line reason: the notebook's torch.softmax is refused."""
+    (tmp_path / "torch.py").write_text(textwrap.dedent('''
+        import importlib.util, sys
+        sys.path = [p for p in sys.path if p not in ("", ".")]
+        del sys.modules["torch"]
+        real = importlib.util.find_spec("torch")
+        torch = importlib.util.module_from_spec(real)
+        sys.modules["torch"] = torch
+        real.loader.exec_module(torch)
+        torch.overrides.TorchFunctionMode.__torch_function__ = (
+            lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {})))
+        '''))
+    (tmp_path / "helpers.py").write_text("def twice(x):\n    return 2 * x\n")
+    path = write(edit(solution_notebook(CH02), replace={
+        "ch02-stable_softmax-solution":
+            "import helpers\n\ndef stable_softmax(x, dim=-1):\n"
+            "    return torch.softmax(helpers.twice(x) / 2, dim=dim)\n"}),
+        tmp_path / "02_shadow.ipynb")
+    grade, = grader.grade_notebooks([path], solutions_dir=SOLUTIONS, jobs=1)
+    assert grade.error is None, grade.error
+    scores = {e.grade_id: e for e in grade.exercises}
+    attacked = scores.pop("ch02-stable_softmax")
+    assert attacked.points == 0 and re.fullmatch(banned("torch.softmax"), attacked.reason), \
+        attacked.reason   # helpers.py, named like no module, was there to import
+    assert all(e.passed for e in scores.values()), [(e.grade_id, e.reason) for e in scores.values()]
+    refusal = ("torch.py was not put beside the notebook: it has the name of the module "
+               "'torch', which the kernel or the course imports (rename it, and its imports)")
+    assert refusal in grade.flags, grade.flags
+    # and what the file reaches for is read, as every file beside the notebook is
+    assert all(f == refusal or f.startswith("for review (no points lost): torch.py ")
+               for f in grade.flags), grade.flags
+
+
+def test_a_link_to_a_solution_notebook_is_not_graded(tmp_path):
+    """Issue 41: a hard link in a class folder to a notebook of ``solutions/`` (or a symbolic
+    one) is the solution under another name: not graded, with the reason; the solution graded
+    where it lies still is (instructors grade ``solutions/`` itself)."""
+    solution = SOLUTIONS / "01_intuition.ipynb"
+    try:
+        (tmp_path / "01_mine.ipynb").hardlink_to(solution)
+    except OSError as error:
+        pytest.skip(f"no hard link from {tmp_path} to {solution}: {error}")
+    grade, = grader.grade_notebooks([tmp_path / "01_mine.ipynb"], solutions_dir=SOLUTIONS)
+    assert grade.total == 0 and grade.error == (
+        f"not graded: this file is the course's solution notebook {solution} under another "
+        "name (a link), not a submission"), grade.error
+
+
+GRADE_IN_A_LOOP = '''
+import os, sys
+from pathlib import Path
+from course_attn.grading import grader, processes
+assert processes.become_subreaper()
+notebooks = [Path(sys.argv[1])] * int(sys.argv[2])
+grades = [grader.grade_notebook(p, solutions_dir=Path(sys.argv[3])) for p in notebooks]
+assert all(g.error is None for g in grades), [g.error for g in grades]
+def state(pid):
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+print(sorted(state(pid) for pid in processes.children()))
+'''
+
+
+def test_a_process_that_grades_in_a_loop_keeps_no_defunct_child(tmp_path):
+    """Issue 41: a subreaper that grades notebook after notebook (a test worker, a batch
+    worker) adopts each sandbox's init when the sandbox's outer process ends; it collects it,
+    so no defunct ``bwrap`` piles up (it kept one per notebook)."""
+    done = subprocess.run([sys.executable, "-c", GRADE_IN_A_LOOP,
+                           str(SOLUTIONS / "01_intuition.ipynb"), "2", str(SOLUTIONS)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Z" not in done.stdout.strip().splitlines()[-1], done.stdout
 
 
 # --- resource attacks: a kernel that dies, hangs or loops ----------------------------------------

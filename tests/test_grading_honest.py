@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from grading_support import SOLUTIONS, edit, solution_notebook, write  # noqa: E402
 
 from course_attn.grading import grader  # noqa: E402
+from course_attn.grading.cells import grade_id  # noqa: E402
 
 CH01, CH02, CH03 = (SOLUTIONS / name for name in (
     "01_intuition.ipynb", "02_scaled_dot_product.ipynb", "03_masking.ipynb"))
@@ -532,6 +533,36 @@ def soft_lookup(query, keys, values):
 '''
 
 
+EVERYDAY_IDIOMS = '''import multiprocessing
+import sys
+from dataclasses import dataclass
+
+IN_COLAB = "google.colab" in sys.modules or sys.modules.get("google.colab") is not None
+WORKERS = multiprocessing.cpu_count()
+
+
+@dataclass
+class Config:
+    dtype_name: str = "float32"
+    seed: int = 0
+
+
+cfg = Config()
+print(cfg.__dict__, vars(cfg))
+DTYPE = getattr(torch, cfg.dtype_name)
+setattr(cfg, "seed", 1)
+'''
+
+
+def exercises_moved(cells):
+    """The last exercise's answer and check cells moved, as a pair, to right after the setup:
+    the order a student who did it first might leave them in."""
+    moved = [c for c in cells if (grade_id(c) or "").startswith("ch03-fp16_fill")]
+    rest = [c for c in cells if not any(c is m for m in moved)]
+    setup = next(i for i, c in enumerate(rest) if grade_id(c) == "ch03-setup")
+    return rest[:setup + 1] + moved + rest[setup + 1:]
+
+
 def corpus() -> dict[str, tuple[Path, dict]]:
     """Name -> (solution notebook, changes for ``grading_support.edit``)."""
     return {
@@ -592,6 +623,8 @@ def corpus() -> dict[str, tuple[Path, dict]]:
             "ch03-masked_attention-solution": COMPILED_HELPER}}),
         "a_helper_module_beside_the_notebook": (CH03, {"replace": {
             "ch03-causal_mask-solution": HELPER_MODULE}}),
+        "everyday_idioms": (CH03, {"after": {"ch03-setup": EVERYDAY_IDIOMS}}),
+        "cells_out_of_their_order": (CH03, {"rearrange": exercises_moved}),
         "ch01_other_methods": (CH01, {"replace": {
             "ch01-softmax_list-solution": SOFTMAX_LIST_NUMPY,
             "ch01-attend-solution": ATTEND_EINSUM,

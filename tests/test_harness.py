@@ -451,7 +451,9 @@ def test_evaluate_answers_each_case_with_a_value_or_an_error():
 
 def test_evaluate_reports_a_missing_function_a_value_and_banned_calls():
     answer, _ = evaluate({}, "double", [((1,), {})])
+    threads = {"visited": answer.pop("visited"), "python_threads": answer.pop("python_threads")}
     assert answer == {"found": False, "results": [], "mutated": [], "banned": []}
+    assert threading.get_native_id() in threads["python_threads"], threads
     answer, _ = evaluate({"guess": [0.5, 0.5]}, "guess", [((), {})], kind="value")
     assert answer["results"] == [{"value": [0.5, 0.5]}]
     answer, hits = evaluate({"soft": lambda x: torch.softmax(x, -1)}, "soft",

@@ -52,6 +52,7 @@ NAMED_BY_STRINGS = {
                                   review.C_CORE),
     "a multiprocessing pool": ("import multiprocessing as mp\npool = mp.Pool(2)",
                                review.PROCESSES),
+    "a task on torch's inter-op pool": ("fut = torch.jit.fork(serve, box)", review.RAW_THREADS),
     "a mode defined": ("class M(torch.overrides.TorchFunctionMode):\n    pass", review.DISPATCH),
     "subclasses searched": ("[c for c in ().__class__.__base__.__subclasses__()]",
                             review.OBJECTS),
@@ -84,6 +85,7 @@ EVERYDAY = {
                            "    traceback.print_exc()",
     "inspect.signature": "import inspect\nprint(inspect.signature(print))",
     "a string about frames in prose": "note = 'the frame of the plot'\n'''the _C extension'''",
+    "a dunder-shaped key as data": "wire = {'__tensor__': {'dtype': 'float32'}}",
 }
 
 

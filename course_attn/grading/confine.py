@@ -6,9 +6,9 @@ started in an earlier cell (a ``multiprocessing`` pool, a ``python -c`` fed thro
 compute what the guard refuses. So before the first graded call the grader ends every other
 process in the sandbox (``Kernel.confine``), and from then until the kernel ends it can start
 none: ``fork``, ``vfork``, ``execve``, ``execveat`` and a ``clone`` without ``CLONE_THREAD``
-fail with ``EPERM``, and so do ``unshare`` and ``setns`` (no new namespace, whose first process
-would pass for the sandbox's own init, and no joining another). Threads stay allowed (torch's thread pools, ``threading``): a thread is a
-``clone`` with ``CLONE_THREAD``. ``clone3`` passes its flags in memory, where a filter cannot
+fail with ``EPERM``, and so do ``unshare`` and ``setns`` (no new namespace, whose first
+process would pass for the sandbox's own init, and no joining another). Threads stay allowed
+(torch's thread pools, ``threading``): a thread is a ``clone`` with ``CLONE_THREAD``. ``clone3`` passes its flags in memory, where a filter cannot
 read them, so it fails with ``ENOSYS`` and the C library falls back to ``clone``.
 
 A seccomp filter cannot be taken off, by the process or by any thread of it: ``TSYNC`` puts it

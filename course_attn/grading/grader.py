@@ -88,6 +88,7 @@ new code, not a call.
 """
 
 import asyncio
+import os
 import secrets
 import tempfile
 import time
@@ -100,16 +101,15 @@ from ..colab import a_clone_of_the_course
 from .canonical import Canonical, GradedExercise, GraderError, UnknownChapter, \
     load_canonicals, lookup_in
 from .exercise import hidden_cases, load_hidden
-from .cells import grade_id
 from .harness import SWITCHES_OFF, WireError, decode, encode
 from .operations import guard_options
 from .review import review_flags
 from .judge import NO_PROCESS, Answer, Judgement, judge_case
 from .kernel import MAX_OUTPUT_CHARS, OUT_OF_MEMORY, SCRATCH_PREFIX, CellRun, Kernel, \
-    scratch_root
+    scratch_root, shadowing
 from .notebook import ReadNotebook, chapter_of, parse_notebook, read_submission, shorten
 from .report import ExerciseScore, NotebookGrade, format_table, report  # noqa: F401 (API)
-from .restore import Restored, restore_protected_cells
+from .restore import Restored, restore_protected_cells, students_code
 
 CELL_TIMEOUT_S = 60.0
 NOTEBOOK_TIMEOUT_S = 300.0
@@ -296,11 +296,18 @@ async def _run_notebook(nb, restored: Restored, evaluations: dict[int, Evaluatio
                     cpus=options.cpus)
     for name, data in helpers.items():
         if Path(name).name == name and name.endswith(".py"):
-            (kernel.given / name).write_bytes(data)
+            refused = shadowing(name)
+            if refused:
+                flags.append(refused)
+            else:
+                (kernel.given / name).write_bytes(data)
     package = str(kernel.site / "course_attn")
     deadline = time.monotonic() + options.notebook_timeout
     replay: list[int] = []
     restarts = 0
+    busy: dict[int, tuple[str, str]] = {}  # the notebook's threads that ran during graded calls
+    visited: set[int] = set()  # the threads that ran Python when a guard asked them to
+    python: set[int] = set()  # the threads started from Python (torch's own start from C)
     try:
         await kernel.start()
         if options.sandbox:
@@ -333,6 +340,13 @@ async def _run_notebook(nb, restored: Restored, evaluations: dict[int, Evaluatio
                 evaluation.run, evaluation.answer, evaluation.hits = await kernel.evaluate(
                     _request(evaluation, package), limit)
                 run = evaluation.run
+                for tid, thread in kernel.busy_threads.items():  # as the kernel sees them
+                    busy.setdefault(tid, (thread, evaluation.graded.grade_id))
+                if isinstance(evaluation.answer, dict):
+                    visited.update(t for t in evaluation.answer.get("visited", ())
+                                   if isinstance(t, int))
+                    python.update(t for t in evaluation.answer.get("python_threads", ())
+                                  if isinstance(t, int))
             else:
                 run = runs[index] = await kernel.run(nb.cells[index].source, limit)
             what = restored.label(index) if index not in evaluations else \
@@ -367,6 +381,14 @@ async def _run_notebook(nb, restored: Restored, evaluations: dict[int, Evaluatio
                 replay.append(index)
     finally:
         await kernel.stop()
+    # a thread started from Python that ran during graded calls and never ran Python again
+    unseen = {tid: seen for tid, seen in busy.items() if tid in python and tid not in visited}
+    if unseen:
+        thread, gid = next(iter(unseen.values()))
+        flags.append(f"for review (no points lost): {len(unseen)} thread(s) that the notebook "
+                     f"started (the first named {thread!r}) ran during the graded calls ({gid} "
+                     "first) without running Python, where the guard cannot see what they "
+                     "compute (a loop in TorchScript or C)")
     return runs, flags
 
 
@@ -397,7 +419,12 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
             read.problem = f"not graded: {error}"
         except GraderError as error:
             missing = str(error)
-    if nb is None or canonical is None:
+    linked = canonical is not None and path is not None and \
+        _links_to(Path(path), canonical.path)
+    if nb is None or canonical is None or linked:
+        if linked:
+            read.problem = (f"not graded: this file is the course's solution notebook "
+                            f"{canonical.path} under another name (a link), not a submission")
         if nb is not None and grade.chapter is None:
             read.problem = ("cannot tell which chapter this is: no course_attn.chapter in its "
                             "metadata, no chNN- grade_ids in its cells and no NN_ prefix in its "
@@ -405,11 +432,10 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
         grade.error = read.problem or missing
         grade.grader_error = read.problem is None
     else:
+        written = students_code(nb, canonical)  # read before the course's cells go back in
         restored = restore_protected_cells(nb, canonical)
         grade.flags.extend(restored.flags)
-        protected = {i for i, cell in enumerate(nb.cells)
-                     if grade_id(cell) in canonical.protected}
-        grade.flags.extend(review_flags(nb, restored.label, protected, helpers))
+        grade.flags.extend(review_flags(written, helpers=helpers))
         seed = options.hidden_seed if options.hidden_seed is not None else secrets.randbits(48)
         evaluations = {}
         checks = sorted(restored.placed.values())
@@ -447,6 +473,16 @@ async def grade_data(name: str, data: bytes | None, canonical_for, options: Grad
                            for e in canonical.exercises]
     grade.seconds = time.monotonic() - started
     return grade
+
+
+def _links_to(path: Path, solution: Path) -> bool:
+    """Whether ``path`` is another name for the file ``solution`` (a hard or symbolic link to
+    it), rather than the solution itself or a copy a student edited."""
+    try:
+        return os.path.samefile(path, solution) and \
+            os.path.abspath(path) != os.path.abspath(solution)
+    except OSError:
+        return False
 
 
 async def _grade_file(path: Path, canonical_for, options: GradingOptions) -> NotebookGrade:

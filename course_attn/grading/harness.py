@@ -19,6 +19,7 @@ decoding.
 
 import base64
 import ctypes
+import gc
 import json
 import math
 import os
@@ -172,16 +173,12 @@ UNSEEN = "a tensor computed where the guard saw no operation at all (torch's dis
 _ALLOWED = object()  # what ``Guard._place`` answers inside an allowed function
 
 
-# The references to a tensor answer that nothing else holds, as _new_tensor counts them: the
-# answer's container (or, for a bare tensor, the names `result` in Guard.call and here),
-# `values`, `value` and getrefcount's own argument.
-_UNHELD_IN_A_CONTAINER = 4
-
-
-def _new_tensor(result, args, kwargs) -> bool:
+def _made_during_the_call(result, args, kwargs) -> bool:
     """Whether ``result`` is, or holds at its top level, a tensor that is none of the arguments
-    and that nothing but the answer holds: a tensor kept elsewhere (a cache, a table made
-    before the call) may well have been made before the call, with no operation in it."""
+    and whose object was made during the call: objects that lived before it were frozen
+    (``gc.freeze``, in ``Guard.call``), so the collector lists only those made since. A tensor
+    kept from before the call (a cache, a table) passes; a new one does, whatever else holds
+    it (a global list too)."""
     given = {id(value) for value in (*args, *kwargs.values())}
     if type(result) in (list, tuple):
         values = list(result)
@@ -189,12 +186,9 @@ def _new_tensor(result, args, kwargs) -> bool:
         values = list(dict.values(result))
     else:
         values = [result]
-    for value in values:
-        # issubclass of the type, not isinstance: isinstance may read a submission's __class__
-        if issubclass(type(value), torch.Tensor) and id(value) not in given and \
-                sys.getrefcount(value) <= _UNHELD_IN_A_CONTAINER + (value is result):
-            return True
-    return False
+    # issubclass of the type, not isinstance: isinstance may read a submission's __class__
+    tensors = {id(v) for v in values if issubclass(type(v), torch.Tensor) and id(v) not in given}
+    return bool(tensors) and any(id(o) in tensors for o in gc.get_objects())
 
 
 def function_name(func) -> str:
@@ -520,15 +514,21 @@ class Guard:
 
         A tensor answer that is none of the arguments cannot be made without an operation: if
         the guard saw none, torch's dispatch was hidden from it (a dispatch key excluded around
-        the work), and that is a hit."""
+        the work), and that is a hit, whether or not something else holds it; a tensor kept
+        from before the call (a cache) is not."""
         self.operations_seen = 0
         self._protected = _watched(self.no_copy, args)
         self._table = _table(self.no_table, args)
         self._once = _watched(self.read_once, args)
-        with _compile_stance(), self:
-            result = target(*args, **kwargs)
-        if self.ops and self.operations_seen == 0 and _new_tensor(result, args, kwargs):
-            self._hit(UNSEEN)
+        gc.freeze()  # what lives now is old: only objects made by the call are listed after it
+        try:
+            with _compile_stance(), self:
+                result = target(*args, **kwargs)
+            if self.ops and self.operations_seen == 0 and \
+                    _made_during_the_call(result, args, kwargs):
+                self._hit(UNSEEN)
+        finally:
+            gc.unfreeze()
         return result
 
     def _visit(self) -> None:
@@ -539,9 +539,11 @@ class Guard:
             while stack() and isinstance(stack()[-1], (_Functions, _Operations)) and \
                     not stack()[-1].guard.armed:
                 pop()
-        if self.armed and threading.get_ident() != self._caller:
-            for mode in (_Functions(self), _Operations(self)):
-                mode.__enter__()
+        if threading.get_ident() != self._caller:
+            _RAN_PYTHON.add(threading.get_native_id())
+            if self.armed:
+                for mode in (_Functions(self), _Operations(self)):
+                    mode.__enter__()
 
     def _calls(self, frame, event, arg):
         """A profiler for an exercise that runs no torch operation at all (arithmetic): the
@@ -852,7 +854,10 @@ def evaluate(request: dict, namespace: dict, report=None) -> dict:
     "kwargs": ...}], "ops": [...] | None, "refused": [...], "package": PATH | None,
     "allowed": [[file, qualname], ...]}``. Answer: ``{"found": bool, "results": [{"value": ...}
     | {"error": {...}} | {"unencodable": "..."}, ...], "mutated": [[case, argument], ...],
-    "banned": [names]}``. ``report(name)`` is called the moment a hit happens.
+    "banned": [names], "visited": [native ids of the other threads that have run Python since a
+    guard was first armed: each one ran the guard's visit, and took its modes if it ran while
+    armed], "python_threads": [native ids of the threads ``threading`` knows]}``.
+    ``report(name)`` is called the moment a hit happens.
     """
     name = request["name"]
     answer = {"found": name in namespace, "results": [], "mutated": [], "banned": []}
@@ -878,6 +883,8 @@ def evaluate(request: dict, namespace: dict, report=None) -> dict:
         except WireError as error:
             answer["results"].append({"unencodable": str(error)})
     answer["banned"] = list(guard.hits)
+    answer["visited"] = sorted(_RAN_PYTHON)
+    answer["python_threads"] = sorted(t.native_id for t in threading.enumerate() if t.native_id)
     return answer
 
 
@@ -923,6 +930,12 @@ def install(namespace: dict, hits_fd: int, token: str, forbid_new_processes=None
             return f"{type(error).__name__}: {error}"
         return ""
 
+    # torch starts threads of its own at its first parallel operation (its pool) and its first
+    # profile (the profiler's, which a measure exercise uses): started now, they are among the
+    # threads the grader counts as the kernel's own, and a thread found later is the notebook's
+    torch.ones(1 << 18).exp_()
+    with torch.autograd.profiler.profile(profile_memory=True):
+        pass
     harness = type(f"CourseAttnHarness_{token}", (), {"evaluate": staticmethod(run),
                                                      "confine": staticmethod(confine)})
     _KEEP.append(harness)
@@ -942,5 +955,8 @@ def expression(token: str, request: dict | None) -> str:
 
 
 _KEEP: list = []
+# Native ids of the threads that ran Python after a guard asked them to (``Guard._visit``): a
+# thread that never does (a loop in TorchScript or C) never takes the guard's modes either.
+_RAN_PYTHON: set = set()
 _CALL_CODE = Guard.call.__code__
 _OWN_FILE = _CALL_CODE.co_filename  # this module's frames are the guard's, never the student's

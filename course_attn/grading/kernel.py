@@ -164,7 +164,8 @@ class Kernel:
         self.init = None         # bubblewrap's init in the sandbox (the kernel's parent)
         self.confined = False    # whether it can no longer start processes
         self.own_threads: set[int] = set()  # its threads once the grader's side was installed
-        self.busy_threads: dict[int, str] = {}  # the others that ran during the last call
+        self.busy_threads: dict[int, str] = {}  # the others that ran during the last call, by
+        # their id in the sandbox (the one the kernel itself sees) -> name
         for folder in (self.workdir, self.rundir, self.given):
             folder.mkdir(parents=True, exist_ok=True)
         self.site = copy_package(scratch)
@@ -461,9 +462,9 @@ class Kernel:
                              expression=harness.expression(self.token, request))
         after = processes.threads(self.pid)
         self.busy_threads = {
-            tid: state.name for tid, state in after.items() if tid not in self.own_threads and
-            tid in before and ("R" in (state.state, before[tid].state) or
-                               state.ticks > before[tid].ticks)}
+            state.inner: state.name for tid, state in after.items()
+            if tid not in self.own_threads and tid in before and
+            ("R" in (state.state, before[tid].state) or state.ticks > before[tid].ticks)}
         self._read_hits()
         answer = None
         if run.status == "ok" and len(self.answers) > 1:

@@ -67,12 +67,14 @@ def parent(pid: int) -> int | None:
 
 @dataclass(frozen=True)
 class ThreadState:
-    """A thread as ``/proc/<pid>/task/<tid>/stat`` shows it: its name, its state letter (R:
-    running or ready to run) and the processor time it has used, in clock ticks."""
+    """A thread as ``/proc/<pid>/task/<tid>/`` shows it: its name, its state letter (R:
+    running or ready to run), the processor time it has used, in clock ticks, and its id in its
+    own PID namespace (the one the process itself sees: ``threading.get_native_id()``)."""
 
     name: str
     state: str
     ticks: int
+    inner: int
 
 
 def threads(pid: int) -> dict[int, ThreadState]:
@@ -83,7 +85,11 @@ def threads(pid: int) -> dict[int, ThreadState]:
             stat = (task / "stat").read_text()
             name = stat[stat.index("(") + 1:stat.rindex(")")]
             fields = stat.rsplit(")", 1)[1].split()
-            found[int(task.name)] = ThreadState(name, fields[0], int(fields[11]) + int(fields[12]))
+            inner = next((int(line.split()[-1]) for line in
+                          (task / "status").read_text().splitlines()
+                          if line.startswith("NSpid:")), int(task.name))
+            found[int(task.name)] = ThreadState(name, fields[0], int(fields[11]) + int(fields[12]),
+                                                inner)
         except (OSError, ValueError, IndexError):
             continue
     return found

@@ -1,9 +1,12 @@
 """Restoring a submission's protected cells: the canonical setup (locked) and check (grade)
 cells go back in, matched by ``grade_id``, as nbgrader's ``OverwriteCells`` does; what a student
-changed, deleted, repeated or reordered is flagged. Solution cells are never touched."""
+changed, deleted or repeated is flagged (a repeated protected cell is not run). Solution cells
+are never touched."""
 
 import copy
 from dataclasses import dataclass
+
+import nbformat
 
 from .canonical import Canonical
 from .cells import grade_id, is_grade_cell, nbgrader_metadata
@@ -61,9 +64,10 @@ def restore_protected_cells(nb, canonical: Canonical) -> Restored:
             continue
         original, given = canonical.protected[gid], canonical.given[gid]
         kind = "check" if is_grade_cell(original) else "locked"
-        if gid in placed:
+        if gid in placed:  # its code, whatever it is, is not run (the review reads it)
             flags.append(f"cell {index + 1} repeats the grade_id {gid} of cell {placed[gid] + 1}; "
-                         "it ran as the student wrote it")
+                         "it was not run")
+            nb.cells[index] = nbformat.v4.new_markdown_cell("")
             continue
         if cell.cell_type != given.cell_type or not (_same_source(cell.source, given.source) or
                                                      _same_source(cell.source, original.source)):
@@ -102,9 +106,20 @@ def restore_protected_cells(nb, canonical: Canonical) -> Restored:
     return Restored({g: i for g, i in placed.items() if g in exercise_ids}, flags, numbers)
 
 
+def students_code(nb, canonical: Canonical) -> list[tuple[int, str]]:
+    """(index, source) of every code cell of ``nb`` as submitted that is not the course's own
+    cell as the course wrote it: the student's cells, and a protected cell that was changed or
+    repeated, which the review reads even where it is not run."""
+    course = [c.source for gid in canonical.protected
+              for c in (canonical.protected[gid], canonical.given[gid])]
+    return [(index, cell.source) for index, cell in enumerate(nb.cells)
+            if cell.cell_type == "code" and not any(_same_source(cell.source, s) for s in course)]
+
+
 def _order_and_duplicate_flags(nb, canonical: Canonical) -> list[str]:
-    """Flags for solution cells that repeat a grade_id, and for known cells out of order."""
-    flags, first_seen, sequence = [], {}, []
+    """Flags for solution cells that repeat a grade_id. (Cells moved out of their order are
+    what people do in notebooks: each check runs where it stands, and no flag is raised.)"""
+    flags, first_seen = [], {}
     rank = {gid: position for position, gid in enumerate(canonical.order)}
     for index, cell in enumerate(nb.cells):
         gid = grade_id(cell)
@@ -116,10 +131,4 @@ def _order_and_duplicate_flags(nb, canonical: Canonical) -> list[str]:
                              f"{first_seen[gid] + 1}; both ran, in order")
             continue
         first_seen[gid] = index
-        sequence.append((rank[gid], gid, index))
-    for (rank_a, gid_a, index_a), (rank_b, gid_b, index_b) in zip(sequence, sequence[1:]):
-        if rank_b < rank_a:
-            flags.append(f"cells are out of their original order: {gid_b} (cell {index_b + 1}) "
-                         f"comes after {gid_a} (cell {index_a + 1})")
-            break
     return flags

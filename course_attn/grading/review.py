@@ -77,18 +77,23 @@ _SIGNS = (
      MACHINERY),
     (r"^course_attn\.grading\b|CourseAttnHarness|^course_attn_(harness|confine)\b", GRADER),
     (r"^sys\.(setprofile|settrace|monitoring|addaudithook)\b|"
-     r"^threading\.(setprofile|settrace)|^\?\.(setprofile|settrace)$|^sys\.modules\.(pop|update|clear|setdefault|"
+     r"^threading\.(setprofile|settrace)|^\?\.(setprofile|settrace)$|"
+     r"^sys\.modules\.(pop|update|clear|setdefault|"
      r"__setitem__|__delitem__|popitem)\b|^sys\.modules=$|^sys\.modules\[\]=$",
      HOOKS),
     (r"__subclasses__|__builtins__|^builtins\b|co_filename|\bCodeType\b|\.__code__=$|"
      r"^types\.(CodeType|FunctionType)\b",
      OBJECTS),
-    (r"^_thread\.start_new", RAW_THREADS),
+    (r"^_thread\.start_new|^torch\.jit\._?fork\b", RAW_THREADS),
     (r"^(builtin:|builtins\.)(exec|eval|compile|__import__)$|^importlib\b|^runpy\b|"
      r"^code\.(interact|"
      r"InteractiveConsole|InteractiveInterpreter)\b",
      RUN_TIME_CODE),
-    (r"\.__(?!(?:" + "|".join(_PLAIN_DUNDERS) + r")__)\w+__(\b|=$)", DUNDERS),
+    # (a string that is a dunder's name is read as one only for the dunders that lead to code
+    # and frames: {"__tensor__": ...} is data)
+    (r"^(?!\?\.)[^=]*\.__(?!(?:" + "|".join(_PLAIN_DUNDERS) + r")__)\w+__(\b|=$)|"
+     r"^\?\.__(globals|closure|code|builtins|subclasses|self|func|defaults|kwdefaults|"
+     r"traceback|base|bases|mro|getattribute|reduce_ex|reduce)__$", DUNDERS),
     (r"^sys\.modules(\.(values|items|keys|copy|__iter__))?$|^torch\._C\b|^\?\._C$|"
      r"\bDispatchKey(Set)?\b|"
      r"_(Exclude|Include)DispatchKeyGuard|\b_dispatch_tls",
