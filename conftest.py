@@ -7,9 +7,11 @@ collect_ignore_glob = ["_build/*", ".venv/*", "tests/fixtures/*"]
 # `make test` runs pytest-xdist's workers (`-n <cores + 1> --dist loadfile`: each file on one
 # worker, so that nbval's cells of a notebook run in order in one kernel). A worker takes the
 # next file in collection order; a long file taken last would leave the other workers idle, so
-# the slowest files (measured with --durations, issue 35) come first.
+# the slowest files (measured with --durations, issue 35; the table at the end of each run
+# since issue 45) come first.
 SLOWEST_FIRST = [f"tests/test_{name}.py" for name in (
-    "grading_batch", "grading_attacks", "browser", "hidden_regimes", "exercises_conformance",
+    "book_catches_bugs", "grading_batch", "grading_attacks", "browser", "hidden_regimes",
+    "exercises_conformance",
     "grading_honest", "grading", "checks_ch08", "workspace", "export", "grading_sandbox")]
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
