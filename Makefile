@@ -20,7 +20,7 @@ TEST_JOBS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
 # `make gpu-check` installs nothing: a lent GPU machine has its own torch and no internet.
 GPU_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
-.PHONY: help test book book-under-load work lab grade exercises bench gpu-check clean
+.PHONY: help test book book-under-load work lab grade exercises mutants bench gpu-check clean
 .DEFAULT_GOAL := help
 
 $(STAMP): requirements.txt pyproject.toml
@@ -78,6 +78,12 @@ grade: $(STAMP)
 ## regenerate exercises/ from solutions/ (refuses to overwrite a student's work unless FORCE=1)
 exercises: $(STAMP)
 	$(PY) -m course_attn.grading.generate $(if $(FORCE),--force)
+
+## the mutants of every exercise's reference (an operator flipped, a constant or slice bound
+## moved by one, two arguments swapped, a term dropped), each run on the hidden cases of 20
+## seeds: each must lose points on every seed, or be listed as equivalent with its reason
+mutants: $(STAMP)
+	$(PY) -m course_attn.grading.mutants --seeds 20
 
 ## time and peak memory of every backend, as ratios to PyTorch's SDPA
 bench: $(STAMP)
