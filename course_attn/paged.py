@@ -208,16 +208,26 @@ def block_tables_tensor(tables: list[BlockTable], device=None) -> Tensor:
                         dtype=torch.long, device=device)
 
 
+INDEX_DTYPES = (torch.long, torch.int32)       # of block tables and lengths
+
+
+def _described(t) -> str:
+    return (f"shape {tuple(t.shape)} dtype {t.dtype}" if isinstance(t, Tensor)
+            else f"a {type(t).__name__}")
+
+
 def _check_tables(pool: Tensor, block_tables: Tensor, context_lens: Tensor) -> None:
     """Shapes, and every block a sequence needs inside the pool (entries past them are unread)."""
     num_blocks, bs = pool.shape[0], pool.shape[2]
-    if block_tables.dim() != 2 or block_tables.dtype != torch.long:
-        raise ValueError(f"block_tables must be a (B, max_blocks) long tensor, got shape "
-                         f"{tuple(block_tables.shape)} dtype {block_tables.dtype}")
+    if (not isinstance(block_tables, Tensor) or block_tables.dim() != 2
+            or block_tables.dtype not in INDEX_DTYPES):
+        raise ValueError(f"block_tables must be a (B, max_blocks) long tensor (or int32, as "
+                         f"vLLM's), got {_described(block_tables)}")
     b = block_tables.shape[0]
-    if context_lens.shape != (b,) or context_lens.dtype != torch.long:
-        raise ValueError(f"context_lens must be a ({b},) long tensor, one length per block table, "
-                         f"got shape {tuple(context_lens.shape)} dtype {context_lens.dtype}")
+    if (not isinstance(context_lens, Tensor) or context_lens.shape != (b,)
+            or context_lens.dtype not in INDEX_DTYPES):
+        raise ValueError(f"context_lens must be a ({b},) long tensor (or int32), one length per "
+                         f"block table, got {_described(context_lens)}")
     needed = (context_lens + bs - 1) // bs                                   # (B,)
     if b and int(needed.max()) > block_tables.shape[1]:
         raise ValueError(f"context_lens {context_lens.tolist()} need up to {int(needed.max())} "
@@ -269,8 +279,8 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Ten
     """Queries of sequences of different lengths against their keys and values in the pool.
 
     q (B, Hq, Tq, D); k_pool (num_blocks, Hkv, bs, D), v_pool (num_blocks, Hkv, bs, Dv);
-    block_tables (B, max_blocks) long (-1 where unused); context_lens (B,) long: keys of each
-    sequence; query_lens (B,) long, default Tq: sequence b's queries are q[b, :, :query_lens[b]],
+    block_tables (B, max_blocks) long or int32 (-1 where unused); context_lens (B,) long or int32:
+    keys of each sequence; query_lens (B,) long or int32, default Tq: sequence b's queries are q[b, :, :query_lens[b]],
     its last positions (bottom-right causal) -> (B, Hq, Tq, Dv), zeros in the padding rows.
 
     One call for the whole ragged batch: the keys are gathered through the tables, the padding
@@ -292,6 +302,9 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Ten
     query_lens = (torch.full((b,), tq, dtype=torch.long, device=q.device) if query_lens is None
                   else query_lens)
     _check_tables(k_pool, block_tables, context_lens)
+    if not isinstance(query_lens, Tensor) or query_lens.dtype not in INDEX_DTYPES:
+        raise ValueError(f"query_lens must be a ({b},) long tensor (or int32), got "
+                         f"{_described(query_lens)}")
     if query_lens.shape != (b,) or bool(((query_lens < 0) | (query_lens > tq)
                                          | (query_lens > context_lens)).any()):
         raise ValueError(f"query_lens must be ({b},), each in [0, min(Tq={tq}, its context_len)]"

@@ -26,6 +26,7 @@ The engine reads the model's own modules, so a ``GPT`` (``model.py``) and a chec
 len(cache) .. len(cache) + T - 1): a ragged batch needs a position per token.
 """
 
+import numbers
 import warnings
 from dataclasses import dataclass, field
 
@@ -57,6 +58,29 @@ def _check_model(model) -> None:
         raise ValueError(f"the engine runs a GPT-like model (course_attn.model.GPT or "
                          f"load_pretrained's), but {type(model).__name__} has no "
                          f"{', '.join(missing)}")
+
+
+def _token_list(prompt, i: int, vocab: int) -> list[int]:
+    """Prompt i (a list of ints, NumPy's included, or a 1-D integer tensor or array) -> a list
+    of ints; ValueError naming what is wrong with it."""
+    what = f"prompt {i} must be a non-empty list of token ids in [0, vocab_size={vocab})"
+    if isinstance(prompt, Tensor) or hasattr(prompt, "__array__"):
+        array = torch.as_tensor(prompt)
+        if array.dim() != 1 or array.dtype == torch.bool or array.is_floating_point() \
+                or array.is_complex():
+            raise ValueError(f"{what} or a 1-D integer tensor, got a {type(prompt).__name__} of "
+                             f"shape {tuple(array.shape)} dtype {array.dtype}")
+        prompt = array.tolist()
+    elif not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"{what}, got {type(prompt).__name__} {prompt!r}")
+    if not prompt:
+        raise ValueError(f"{what}, got an empty {type(prompt).__name__}")
+    for t in prompt:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):       # NumPy bool_ too
+            raise ValueError(f"{what}, got {t!r} ({type(t).__name__}) among them")
+        if not 0 <= t < vocab:
+            raise ValueError(f"{what}, got {t!r} among them")
+    return [int(t) for t in prompt]
 
 
 @dataclass
@@ -121,8 +145,9 @@ class Engine:
                                  attn.head_dim, dtype=weight.dtype, device=weight.device)
         self.steps: list[StepRecord] = []
 
-    def _check(self, prompts, max_new_tokens) -> list[int]:
-        """Every request's limit of new tokens, its arguments checked (ValueError naming them)."""
+    def _check(self, prompts, max_new_tokens) -> tuple[list[list[int]], list[int]]:
+        """Every request's prompt as a list of ints and its limit of new tokens, its arguments
+        checked (ValueError naming them)."""
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a list of token lists, got {type(prompts).__name__}")
         limits = ([max_new_tokens] * len(prompts) if not isinstance(max_new_tokens, (list, tuple))
@@ -132,11 +157,8 @@ class Engine:
         check_non_negative_ints(**{f"max_new_tokens[{i}]": n for i, n in enumerate(limits)})
         vocab, seq_len = self.model.config.vocab_size, self.model.config.seq_len
         bs, n = self.pool.block_size, self.pool.num_blocks
+        prompts = [_token_list(prompt, i, vocab) for i, prompt in enumerate(prompts)]
         for i, (prompt, max_new) in enumerate(zip(prompts, limits)):
-            if (not isinstance(prompt, (list, tuple)) or not prompt
-                    or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt)):
-                raise ValueError(f"prompt {i} must be a non-empty list of token ids in "
-                                 f"[0, vocab_size={vocab}), got {prompt!r}")
             longest = len(prompt) + max_new - 1
             if longest > seq_len:
                 raise ValueError(f"prompt {i} ({len(prompt)} tokens) and max_new_tokens="
@@ -144,8 +166,10 @@ class Engine:
                                  f"seq_len={seq_len}")
             if -(-longest // bs) > n:
                 raise ValueError(f"prompt {i} needs {-(-longest // bs)} blocks of {bs} tokens "
-                                 f"for {longest} positions, but the pool has num_blocks={n}")
-        return limits
+                                 f"for {longest} positions (its {len(prompt)} tokens and "
+                                 f"max_new_tokens={max_new} less the last, never fed), but the "
+                                 f"pool has num_blocks={n}")
+        return prompts, limits
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], *,
@@ -165,7 +189,7 @@ class Engine:
         ``model.generation_config``'s): a request that emits one finishes with it, and its
         blocks are freed in that step.
         """
-        limits = self._check(prompts, max_new_tokens)
+        prompts, limits = self._check(prompts, max_new_tokens)
         generators = self._check_sampling(len(prompts), do_sample, temperature, top_k, top_p,
                                           generator)
         config = getattr(self.model, "generation_config", GenerationConfig())

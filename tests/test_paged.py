@@ -271,3 +271,34 @@ def test_mismatched_shapes_are_refused_by_name():
         paged_attention(randn(1, 1, 4, 3), k_pool, v_pool, tables, lens, torch.tensor([4]))
     with pytest.raises(ValueError, match="q must be a 4-D tensor"):
         paged_attention(randn(1, 3), k_pool, v_pool, tables, lens)
+
+
+def test_int32_block_tables_and_lengths_as_vllms_give_the_same_attention():
+    k_pool, v_pool = randn(8, 2, 4, 8, seed=1), randn(8, 2, 4, 8, seed=2)
+    q = randn(2, 4, 3, 8, seed=3)
+    tables, lens, query_lens = torch.tensor([[5, 1, 6], [2, -1, -1]]), torch.tensor([11, 3]), \
+        torch.tensor([3, 1])
+    expected = paged_attention(q, k_pool, v_pool, tables, lens, query_lens)
+    out = paged_attention(q, k_pool, v_pool, tables.int(), lens.int(), query_lens.int())
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 8 points outside the pool"):
+        paged_attention(q, k_pool, v_pool, torch.tensor([[5, 8, 6], [2, -1, -1]],
+                                                        dtype=torch.int32), lens.int())
+
+
+@pytest.mark.parametrize("tables, lens, query_lens, message", [
+    (torch.tensor([[0, 1]], dtype=torch.int16), torch.tensor([3]), None,
+     r"block_tables must be a \(B, max_blocks\) long tensor \(or int32, as vLLM's\), got shape "
+     r"\(1, 2\) dtype torch.int16"),
+    (torch.tensor([[0, 1]]), torch.tensor([3.0]), None,
+     r"context_lens must be a \(1,\) long tensor \(or int32\), one length per block table, got "
+     r"shape \(1,\) dtype torch.float32"),
+    (torch.tensor([[0, 1]]), [3], None, r"context_lens must be .* got a list"),
+    (torch.tensor([[0, 1]]), torch.tensor([3]), torch.tensor([True]),
+     r"query_lens must be a \(1,\) long tensor \(or int32\), got shape \(1,\) dtype torch.bool"),
+])
+def test_tables_and_lengths_of_other_types_are_refused_by_name(tables, lens, query_lens,
+                                                                message):
+    k_pool, v_pool = randn(4, 1, 2, 3), randn(4, 1, 2, 3)
+    with pytest.raises(ValueError, match=message):
+        paged_attention(randn(1, 1, 1, 3), k_pool, v_pool, tables, lens, query_lens)

@@ -15,6 +15,7 @@ import functools
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -202,13 +203,34 @@ def test_nothing_to_generate():
     assert engine.generate([], 3) == []
 
 
+def test_prompts_of_numpy_integers_and_of_tensors_are_served_as_lists():
+    model = model_of("MHA, learned positions")
+    prompts = prompts_of(seed=3, n=4, shared=())
+    engine = Engine(model, block_size=4, num_blocks=32)
+    expected = engine.generate(prompts, 4)
+    assert engine.generate([np.array(p) for p in prompts], 4) == expected
+    assert engine.generate([list(np.array(p, dtype=np.int32)) for p in prompts], 4) == expected
+    assert engine.generate([[np.int64(t) for t in p] for p in prompts], 4) == expected
+    assert engine.generate([torch.tensor(p) for p in prompts], 4) == expected
+    assert engine.generate(tuple(torch.tensor(p, dtype=torch.int32) for p in prompts),
+                           4) == expected
+
+
 @pytest.mark.parametrize("prompts, max_new, message", [
     ([[1, 2], []], 3, r"prompt 1 must be a non-empty list of token ids in \[0, vocab_size=13\)"),
     ([[1, 13]], 3, r"prompt 0 must be a non-empty list of token ids"),
     ([[1] * 30], 4, "prompt 0 .30 tokens. and max_new_tokens=4 reach 33 positions, past the "
                     "model's seq_len=32"),
-    ([[1] * 20], 4, "prompt 0 needs 6 blocks of 4 tokens for 23 positions, but the pool has "
-                    "num_blocks=4"),
+    ([[1] * 20], 4, r"prompt 0 needs 6 blocks of 4 tokens for 23 positions \(its 20 tokens and "
+                    r"max_new_tokens=4 less the last, never fed\), but the pool has num_blocks=4"),
+    ([[1, True]], 2, r"prompt 0 must be a non-empty list of token ids in \[0, vocab_size=13\), "
+                     r"got True \(bool\) among them"),
+    ([[2], np.array([1, 0], dtype=bool)], 2,
+     r"prompt 1 must be .* or a 1-D integer tensor, got a ndarray of shape \(2,\) dtype "
+     "torch.bool"),
+    ([torch.tensor([[1, 2]])], 2, r"or a 1-D integer tensor, got a Tensor of shape \(1, 2\)"),
+    ([[1.0, 2]], 2, r"got 1.0 \(float\) among them"),
+    ([3, [1]], 2, r"prompt 0 must be a non-empty list of token ids .*, got int 3"),
     ([[1]], [2, 3], "max_new_tokens has 2 limits for 1 prompts"),
     ([[1]], -1, "max_new_tokens"),
     ("1 2 3", 2, "prompts must be a list of token lists, got str"),
