@@ -279,9 +279,10 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Ten
     """Queries of sequences of different lengths against their keys and values in the pool.
 
     q (B, Hq, Tq, D); k_pool (num_blocks, Hkv, bs, D), v_pool (num_blocks, Hkv, bs, Dv);
-    block_tables (B, max_blocks) long or int32 (-1 where unused); context_lens (B,) long or int32:
-    keys of each sequence; query_lens (B,) long or int32, default Tq: sequence b's queries are q[b, :, :query_lens[b]],
-    its last positions (bottom-right causal) -> (B, Hq, Tq, Dv), zeros in the padding rows.
+    block_tables (B, max_blocks) (-1 where unused); context_lens (B,): keys of each sequence;
+    query_lens (B,), default Tq: sequence b's queries are q[b, :, :query_lens[b]], its last
+    positions (bottom-right causal) -> (B, Hq, Tq, Dv), zeros in the padding rows. Tables and
+    lengths are long or int32 (vLLM's).
 
     One call for the whole ragged batch: the keys are gathered through the tables, the padding
     and the future are masked, and ``backend`` (a name in ``BACKENDS``) attends. Equal to each

@@ -128,20 +128,20 @@ class Engine:
     ``engine.generate(prompts, max_new_tokens, **options)`` -> the new tokens of each request,
     in request order: for each, the tokens ``generate(model, prompt, max_new_tokens, **options)``
     gives it alone (``model.py``; greedy by default, an end token included, no padding after
-    it). ``max_new_tokens`` may be one limit per request.
+    it). ``max_new_tokens`` may be one limit per request. ``max_batch`` caps the requests
+    running at once (None: as many as the blocks hold); ``share_prefixes`` turns prefix
+    sharing on or off. ``engine.steps`` records every step of the last call (a ``StepRecord``
+    each), ``engine.pool`` is the block pool.
 
     Equal in exact arithmetic: the engine computes each request's logits from the same numbers
     as ``generate``, but packed beside other requests, and batched kernels are not
     batch-invariant (a row's sums may be taken in another order). In float32 the difference
     (at most 3e-6 in the logits of tests/test_serve.py's models) decides no token unless two
     logits nearly tie; bfloat16 keeps 8 significant bits to float32's 24, so its differences
-    are far larger and near-ties do flip, after which the request goes its own way. Measured (CPU, torch
-    2.13, a default-initialised GPT: d_model 64, 2 layers, GQA 4:2, RoPE, vocab 256; 10
-    requests of 3-30 tokens, 32 greedy tokens each, seeds 0-4): float32 50/50 requests
-    equal, bfloat16 49/50 (9/10 on seed 0). ``max_batch`` caps the requests
-    running at once (None: as many as the blocks hold); ``share_prefixes`` turns prefix
-    sharing on or off. ``engine.steps`` records every step of the last call (a ``StepRecord``
-    each), ``engine.pool`` is the block pool.
+    are far larger and near-ties do flip, after which the request goes its own way. Measured
+    (CPU, torch 2.13, a default-initialised GPT: d_model 64, 2 layers, GQA 4:2, RoPE, vocab
+    256; 10 requests of 3-30 tokens, 32 greedy tokens each, seeds 0-4): float32 50/50 requests
+    equal, bfloat16 49/50 (9/10 on seed 0).
     """
 
     def __init__(self, model, *, block_size: int, num_blocks: int, max_batch: int | None = None,
