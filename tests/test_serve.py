@@ -292,17 +292,17 @@ def test_the_end_tokens_default_to_the_models_generation_config():
         prompts, 6, eos_token_id=[]) == greedy                              # [] for none
 
 
-SAMPLING = {
-    "temperature": dict(temperature=0.7),
-    "top_k": dict(top_k=4),
-    "top_p": dict(top_p=0.8, temperature=1.3),
-    "all, with an end token": dict(temperature=0.9, top_k=6, top_p=0.9, eos_token_id=3),
+SAMPLING = {     # each on one of the two position schemes
+    "temperature": ("GQA 4:2, RoPE", dict(temperature=0.7)),
+    "top_k": ("MHA, learned positions", dict(top_k=4)),
+    "top_p": ("GQA 4:2, RoPE", dict(top_p=0.8, temperature=1.3)),
+    "all, with an end token": ("MHA, learned positions",
+                               dict(temperature=0.9, top_k=6, top_p=0.9, eos_token_id=3)),
 }
 
 
 @pytest.mark.parametrize("block_size, num_blocks", [(4, 64), (2, 9)])      # (2, 9) preempts
-@pytest.mark.parametrize("options", SAMPLING.values(), ids=list(SAMPLING))
-@pytest.mark.parametrize("name", ["GQA 4:2, RoPE", "MHA, learned positions"])
+@pytest.mark.parametrize("name, options", SAMPLING.values(), ids=list(SAMPLING))
 def test_each_request_samples_from_its_own_generator_as_generate_does_alone(
         name, options, block_size, num_blocks):
     model = model_of(name)
@@ -311,6 +311,8 @@ def test_each_request_samples_from_its_own_generator_as_generate_does_alone(
     expected = alone(model, prompts, 8, seeds, do_sample=True, **options)
     greedy = alone(model, prompts, 8, eos_token_id=options.get("eos_token_id", ()))
     assert expected != greedy                                                  # it samples
+    if "eos_token_id" in options:
+        assert any(len(tokens) < 8 for tokens in expected)                 # and some end
     engine = Engine(model, block_size=block_size, num_blocks=num_blocks)
     out = engine.generate(prompts, 8, do_sample=True, generator=generators(seeds), **options)
     assert out == expected
