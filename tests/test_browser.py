@@ -338,7 +338,16 @@ def test_no_serious_or_critical_accessibility_violation(read, page):
         assert not violations, f"{page} ({scheme} mode), axe-core: " + "; ".join(violations)
 
 
-@pytest.mark.parametrize("page", PAGES)
+# The exercise notebooks are generated from solutions/, whose code is still written to 100
+# columns: formatting it changes the protected cells a student's copy is compared with, so it
+# waits for its own change (issue 45). Strict: a page that comes to fit fails here until listed.
+NOT_FITTED_YET = set(EXERCISE_PAGES)
+
+
+@pytest.mark.parametrize("page", [
+    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="solutions/ not yet formatted to "
+                                            "the column")) if p in NOT_FITTED_YET else p
+    for p in PAGES])
 def test_code_and_output_fit_their_box_at_1440_px(read, page):
     """No code block and no printed output needs a horizontal scroll bar in a 1440 px window: the
     code is formatted to the column, the output wraps in it (_ext/fitted_outputs.py)."""
