@@ -344,6 +344,29 @@ def _check_prompt(idx, attention_mask) -> Tensor | None:
     return None if mask.all() else mask
 
 
+def check_sampling(do_sample, temperature, top_k, top_p, seeded: bool, greedy_note: str,
+                   stacklevel: int) -> None:
+    """The sampling options of ``generate`` (and of ``serve.Engine.generate``) checked: a
+    ValueError in one line for a bad one; a warning, ``greedy_note`` first, when options that
+    only sampling reads are given without ``do_sample`` (``seeded``: a generator was given).
+    ``stacklevel`` points the warning at the caller of the public function (counted from
+    this function: 1 is here)."""
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if top_k is not None:
+        check_positive_ints(top_k=top_k)
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if not do_sample and (temperature not in (0, 1) or top_k not in (None, 1)
+                          or top_p not in (None, 1) or seeded):
+        warnings.warn(f"{greedy_note}: temperature, top_k, top_p and generator are not used",
+                      stacklevel=stacklevel)
+
+
 def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, do_sample: bool = False,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              generator: torch.Generator | None = None, eos_token_id=None,
@@ -389,20 +412,9 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, do_sample: bool = 
     """
     mask = _check_prompt(idx, attention_mask)
     check_non_negative_ints(max_new_tokens=max_new_tokens)
-    if not isinstance(do_sample, bool):
-        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not temperature >= 0:
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    if top_k is not None:
-        check_positive_ints(top_k=top_k)
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                              or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
-    if not do_sample and (temperature not in (0, 1) or top_k not in (None, 1)
-                          or top_p not in (None, 1) or generator is not None):
-        warnings.warn("generate is greedy unless do_sample=True (as transformers' generate): "
-                      "temperature, top_k, top_p and generator are not used", stacklevel=2)
+    check_sampling(do_sample, temperature, top_k, top_p, generator is not None,
+                   "generate is greedy unless do_sample=True (as transformers' generate)",
+                   stacklevel=3)
     config = getattr(model, "generation_config", GenerationConfig())
     eos = config.eos_token_id if eos_token_id is None else _token_ids(eos_token_id,
                                                                       "eos_token_id")

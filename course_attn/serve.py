@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .arguments import check_non_negative_ints, check_positive_ints
-from .model import GenerationConfig, _next_token, _token_ids
+from .model import GenerationConfig, _next_token, _token_ids, check_sampling
 from .multihead import merge_heads
 from .paged import (BlockTable, PagedKVCache, PoolExhausted, block_tables_tensor,
                     paged_attention)
@@ -245,16 +245,6 @@ class Engine:
                         generator) -> list[torch.Generator | None]:
         """``generate``'s sampling options checked as it checks them (ValueError, one line) ->
         each request's generator."""
-        if not isinstance(do_sample, bool):
-            raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
-        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-                or not temperature >= 0):
-            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-        if top_k is not None:
-            check_positive_ints(top_k=top_k)
-        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                                  or not 0 < top_p <= 1):
-            raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
         if generator is None:
             generator = [None] * n
         if isinstance(generator, torch.Generator) or not isinstance(generator, (list, tuple)):
@@ -268,10 +258,10 @@ class Engine:
                                   or g.device.type != self.device.type):
                 raise ValueError(f"generator[{i}] must be a torch.Generator on the model's "
                                  f"device ({self.device}) or None, got {g!r}")
-        if not do_sample and (temperature not in (0, 1) or top_k not in (None, 1)
-                              or top_p not in (None, 1) or any(g is not None for g in generator)):
-            warnings.warn("Engine.generate is greedy unless do_sample=True (as generate): "
-                          "temperature, top_k, top_p and generator are not used", stacklevel=4)
+        check_sampling(do_sample, temperature, top_k, top_p,
+                       any(g is not None for g in generator),
+                       "Engine.generate is greedy unless do_sample=True (as generate)",
+                       stacklevel=5)
         return list(generator)
 
     def _reserve_decode_slots(self, running: list[_Request], waiting: list[_Request],
