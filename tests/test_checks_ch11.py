@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import course_attn
 from course_attn.grading import get, run_exercise
 from course_attn.grading.ch11 import BUDGET_QUESTIONS, BUDGET_SIZES, MORE_BUDGET_SIZES
+from course_attn.grading.check import grade_here
 from course_attn.grading.exercise import hidden_cases
 from course_attn.local import RollingKVCache
 from course_attn.masks import key_reach
@@ -570,6 +571,21 @@ def test_receptive_field_solution_passes_with_the_watch_on():
             judgement = run_exercise(get(FIELD), fn, cases)
             assert judgement.passed, (judgement.banned, [(r.name, r.message) for r in
                                                          judgement.results if not r.passed])
+
+
+def test_receptive_field_by_its_formula_earns_nothing():
+    """Issue 42: the closed-form reach, max(0, T - 1 - L·(W - 1)) (with each layer's window and
+    dilation where lists are given), takes no gradient and scored 2.4/4. The models the chapter
+    has no formula for are the exercise's central regimes: even dilations skip position 0, the
+    formula does not, and an answer wrong there earns nothing, on every seed."""
+    def by_formula(layers, window, length, seed, dilation=1):
+        windows = window if isinstance(window, list) else [window] * layers
+        dilations = dilation if isinstance(dilation, list) else [dilation] * layers
+        return max(0, length - 1 - sum(d * (w - 1) for w, d in zip(windows, dilations)))
+    for seed in range(5):
+        judgement = grade_here(get(FIELD), by_formula, seed, watch_banned=False)
+        assert judgement.credit() == 0, (seed, judgement.reason())
+        assert "earns nothing: it fails the regime the exercise is about" in judgement.reason()
 
 
 def test_receptive_field_mistakes_as_a_student_makes_them():

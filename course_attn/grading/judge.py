@@ -127,7 +127,8 @@ class Judgement:
     def _is(self, hint: str, group: list[CaseResult]) -> bool:
         """Whether the answer is the typical mistake ``hint`` names on ``group``: on every
         case, the mistake's answer is the student's, or the mistake is right there and the
-        student is not (a mistake of the student's own)."""
+        student is not (a mistake of the student's own), or the mistake is not defined there
+        (it raises)."""
         try:
             exercise = get(self.key)
         except ValueError:    # an exercise made up in a test: only what was matched
@@ -136,7 +137,10 @@ class Judgement:
         for r in group:
             if not r.passed and hint in r.matched:
                 continue
-            if r.case is None or not any(_right(exercise, m, r) for m in mistakes):
+            if r.case is None:
+                return False
+            verdicts = [_right(exercise, m, r) for m in mistakes]
+            if not any(verdicts) and False in verdicts:   # None: not defined for that input
                 return False
         return True
 
@@ -441,13 +445,14 @@ def judge_case(exercise: Exercise, case: Case, expected, answer: Answer,
                       **seen)
 
 
-def _right(exercise: Exercise, mistake, result: CaseResult) -> bool:
-    """Whether ``mistake`` answers ``result``'s case right."""
+def _right(exercise: Exercise, mistake, result: CaseResult) -> bool | None:
+    """Whether ``mistake`` answers ``result``'s case right; None where it raises (a mistake
+    declared for some inputs only, as a formula of a plain model is)."""
     case = result.case
     try:
         value = mistake.fn(*copy.deepcopy(case.args), **copy.deepcopy(dict(case.kwargs)))
     except Exception:
-        return False
+        return None
     return same_answer(exercise, value, result.expected, case)
 
 

@@ -233,7 +233,8 @@ def _plain(case):
         1 in case.args[4],
     "even dilations whose reach skips position 0": lambda case: not _plain(case) and
         all(d % 2 == 0 for d in case.args[4]),
-})
+}, central=("a window and a dilation of its own for every layer",
+            "even dilations whose reach skips position 0"))
 def _(gen):
     def model():
         return randint(1, 5, gen), randint(2, 8, gen), randint(0, 10_000, gen)
