@@ -140,6 +140,7 @@ def test_a_mistake_is_named_only_where_the_answer_is_that_mistake_everywhere(key
         answer = mistake.fn if inputs(args, kwargs) == first else exercise.reference
         return answer(*args, **kwargs)
     judgement = run_exercise(exercise, partly, watch_banned=False)
+    judgement.settle_hints()        # as check() prints it and the grader's reason gives it
     failed_parts = {r.part for r in judgement.results if not r.passed}
     elsewhere = [c for c in wrong if inputs(c.args, c.kwargs) != first and
                  c.part in failed_parts and all(is_wrong(c, fn, False) for fn in alike)]

@@ -57,7 +57,6 @@ def run_exercise(exercise: Exercise, fn, cases=None, *, watch_banned: bool = Tru
                 answer.mutated_argument = changed[0] if changed else None
         judgement.results.append(judge_case(exercise, case, expected, answer, secret))
     judgement.banned = list(guard.hits)
-    judgement.settle_hints()
     return judgement
 
 
