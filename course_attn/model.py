@@ -216,7 +216,8 @@ class GPT(nn.Module):
             raise ValueError(f"position_ids must be a tensor of idx's shape {tuple(idx.shape)}")
         if (self.position_embedding is not None and position_ids is None
                 and start + t > self.config.seq_len):
-            cached = f" after {start} cached tokens, at positions up to {start + t - 1}," if start else ""
+            cached = (f" after {start} cached tokens, at positions up to {start + t - 1},"
+                      if start else "")
             raise ValueError(f"sequence length T={t}{cached} must be in [1, seq_len="
                              f"{self.config.seq_len}] (learned positions stop at seq_len)")
         positions = torch.arange(start, start + t, device=idx.device)
@@ -233,7 +234,10 @@ class GPT(nn.Module):
         x = self.token_embedding(idx)                                        # (B, T, C)
         if self.position_embedding is not None:
             learned = positions if position_ids is None else position_ids
-            if int(learned.max()) >= self.config.seq_len:
+            # positions from the cache were checked above; given ones are read here (not on
+            # the meta device, which holds no values: FLOP counts run the model there)
+            if position_ids is not None and not learned.is_meta and \
+                    int(learned.max()) >= self.config.seq_len:
                 raise ValueError(f"position {int(learned.max())} is past seq_len="
                                  f"{self.config.seq_len} (learned positions stop at seq_len)")
             x = x + self.position_embedding(learned)
