@@ -495,7 +495,10 @@ def _generate(model, idx, max_new_tokens, sample, eos, pad, mask, use_cache, pre
               rolling_sinks) -> Tensor:
     """``generate``'s loop, its arguments checked; ``rolling_sinks`` is None for full caches,
     ``mask`` (B, T) None without padding."""
-    context = model.config.seq_len if model.past_seq_len == "slide" else None
+    # a window slides over the last seq_len tokens, unless a rolling cache keeps every token
+    # at its own position (fixed memory, past seq_len for ever)
+    context = model.config.seq_len if model.past_seq_len == "slide" and rolling_sinks is None \
+        else None
     if eos:                          # which rows have ended; nothing to track without an end
         end_ids = torch.tensor(eos, dtype=torch.long, device=idx.device)
         finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)

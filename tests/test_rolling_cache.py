@@ -292,7 +292,8 @@ def test_sinks_equal_full_attention_under_the_window_or_sinks_mask(device, promp
     for block in reference.blocks:
         block.attn.window = None
         forward = block.attn.forward
-        block.attn.forward = lambda x, _forward=forward, **kw: _forward(
+        # (the block hands its padding mask on too: None here, where no row is padded)
+        block.attn.forward = lambda x, _forward=forward, attn_mask=None, **kw: _forward(
             x, attn_mask=mask[:x.shape[1], :x.shape[1]], **kw)
     with torch.no_grad():
         full = reference(idx)                                     # (1, T, V)
