@@ -11,7 +11,9 @@ repaired once the build has finished (each repair finds nothing to change a seco
   "Search" by its ``aria-label``; the label goes, so its name is what it shows. The colour-mode
   button's icons carry ``title``s, which Font Awesome's script turns into the visible text
   "Light", "Dark", "System Settings" of a button named "Color mode"; the titles go (the
-  button's tooltip still says "Color mode"), so the icons are decoration.
+  button's tooltip still says "Color mode"), so the icons are decoration. A collapsed cell's
+  toggle (``hide-input``, sphinx-togglebutton) says "Show code cell source" but is named "Toggle
+  hidden content"; the label goes, so its name is what it shows.
 - ``aria-required-children`` (critical, the references page): docutils marks each citation
   ``role="doc-biblioentry"``, a role DPUB-ARIA 1.1 deprecates, inside ``role="list"``; a list
   must hold list items, which is what the deprecation says to use instead.
@@ -31,6 +33,7 @@ _SEARCH_FIELD_LABEL = re.compile(
 _THEME_SWITCH_TITLES = re.compile(
     r'(<i class="theme-switch [^"]*" data-mode="[a-z]+")\s+title="[^"]*"')
 _BIBLIOENTRY = ' role="doc-biblioentry"'
+_TOGGLE_LABEL = '<summary aria-label="Toggle hidden content">'
 
 
 def _name_chapter_toggle(match: re.Match) -> str:
@@ -44,6 +47,7 @@ def repair(page: str) -> str:
     page = _CHAPTER_TOGGLE.sub(_name_chapter_toggle, page)
     page = _SEARCH_FIELD_LABEL.sub(r"\1", page)
     page = _THEME_SWITCH_TITLES.sub(r"\1", page)
+    page = page.replace(_TOGGLE_LABEL, "<summary>")
     return page.replace(_BIBLIOENTRY, ' role="listitem"')
 
 

@@ -58,12 +58,21 @@ def test_the_colour_mode_icons_lose_their_titles_and_the_button_keeps_its_name()
     assert 'title="Light"' not in repaired and 'title="Dark"' not in repaired
     assert 'aria-label="Color mode"' in repaired and 'data-mode="dark"' in repaired
 
+CELL_TOGGLE = ('<details class="admonition hide above-input">\n'
+               '<summary aria-label="Toggle hidden content">\n'
+               '<p class="collapsed admonition-title">Show code cell source</p>\n')
+
+
+def test_a_collapsed_cells_toggle_is_named_by_what_it_shows():
+    assert repair(CELL_TOGGLE) == CELL_TOGGLE.replace(' aria-label="Toggle hidden content"', "")
+
 
 def test_citations_are_list_items():
     assert repair(CITATIONS) == CITATIONS.replace("doc-biblioentry", "listitem")
 
 
-@pytest.mark.parametrize("page", [CHAPTER_TOGGLE, SEARCH_FIELD, THEME_SWITCH, CITATIONS])
+@pytest.mark.parametrize("page", [CHAPTER_TOGGLE, SEARCH_FIELD, THEME_SWITCH, CITATIONS,
+                                  CELL_TOGGLE])
 def test_a_repaired_page_is_left_as_it_is(page):
     assert repair(repair(page)) == repair(page)
 
