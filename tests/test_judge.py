@@ -176,10 +176,9 @@ def test_a_failed_hidden_case_names_its_regimes():
     assert {r.regimes for r in judgement.results if not r.passed} == {(regime,)}
 
 
-def test_an_answer_in_one_piece_earns_each_regime_it_passes_when_the_grader_says_so():
-    """Issue 31: 10 of 16 cases right scored 0. By regime (the grader's default), each regime of
-    the hidden cases whose every case passes earns its share; a refused call still earns
-    nothing; all or nothing (--all-or-nothing, and check() in a notebook) is as before."""
+def _past_three_by_regime() -> Judgement:
+    """ch03.causal_mask answered with a mask wrong only where Tq > Tk + 3, judged by regime on
+    the public cases and the hidden cases of seed 0."""
     from helpers import SOLUTIONS_DIR
 
     from course_attn.grading.exercise import hidden_cases, load_hidden
@@ -191,7 +190,15 @@ def test_an_answer_in_one_piece_earns_each_regime_it_passes_when_the_grader_says
     cases = exercise.public_cases() + hidden_cases(exercise.key, 0)
     results = [judge_case(exercise, case, exercise.expected(case), Answer(value=past_three(
         *case.args)), hidden=i >= len(exercise.public_cases())) for i, case in enumerate(cases)]
-    by_regime = Judgement(exercise.key, results=results, by_regime=True)
+    return Judgement(exercise.key, results=results, by_regime=True)
+
+
+def test_an_answer_in_one_piece_earns_each_regime_it_passes_when_the_grader_says_so():
+    """Issue 31: 10 of 16 cases right scored 0. By regime (the grader's default), each regime of
+    the hidden cases whose every case passes earns its share; a refused call still earns
+    nothing; all or nothing (--all-or-nothing, and check() in a notebook) is as before."""
+    by_regime = _past_three_by_regime()
+    exercise, results = get("ch03.causal_mask"), by_regime.results
     assert by_regime.parts() == {"Tq = Tk": True, "Tq < Tk (queries at the end of the keys)": True,
                                  "Tq > Tk by more than one (rows with no key)": False,
                                  "Tq = 1 (one decoding step)": True}
@@ -257,19 +264,9 @@ def test_a_table_of_the_public_answers_earns_nothing():
 def test_an_answer_that_fails_a_central_regime_earns_nothing():
     """A regime declared central (the point of the exercise) failed: 0, however many other
     regimes the answer gets right; the same answer earns its share where nothing is central."""
-    from helpers import SOLUTIONS_DIR
-
     from course_attn.grading import exercise as registry
-    from course_attn.grading.exercise import hidden_cases, load_hidden
-    load_hidden(SOLUTIONS_DIR)
+    judgement = _past_three_by_regime()
     exercise = get("ch03.causal_mask")
-
-    def past_three(tq, tk):   # wrong only where Tq > Tk + 3
-        return torch.ones(tq, tk, dtype=torch.bool).tril(0 if tq - tk > 3 else tk - tq)
-    cases = exercise.public_cases() + hidden_cases(exercise.key, 0)
-    results = [judge_case(exercise, case, exercise.expected(case), Answer(value=past_three(
-        *case.args)), hidden=i >= len(exercise.public_cases())) for i, case in enumerate(cases)]
-    judgement = Judgement(exercise.key, results=results, by_regime=True)
     assert judgement.credit() == pytest.approx(3 / 4)
     saved = registry._CENTRAL.get(exercise.key, frozenset())
     registry._CENTRAL[exercise.key] = frozenset({"Tq > Tk by more than one (rows with no key)"})
