@@ -252,9 +252,10 @@ def _uses(tree, names: _Names) -> tuple[set[str], set[str]]:
             found.add(node.module)
             found.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Attribute) and id(node) not in inner:
-            suffix = "=" if isinstance(node.ctx, (ast.Store, ast.Del)) else ""
-            found.update(n + suffix for n in names.resolve(node))
-            found.update(names.resolve(node))
+            resolved = names.resolve(node)
+            found.update(resolved)
+            if isinstance(node.ctx, (ast.Store, ast.Del)):  # written: "sys.modules=" too
+                found.update(n + "=" for n in resolved)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and \
                 id(node) not in inner:
             found.update(names.resolve(node))
