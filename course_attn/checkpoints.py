@@ -53,9 +53,10 @@ from .multihead import MultiHeadAttention
 from .norm import RMSNorm, rms_norm
 from .rope import RotaryEmbedding
 
-__all__ = ["ARCHITECTURES", "CheckpointConfig", "CheckpointError", "PretrainedGPT",
-           "checkpoint_folder", "interleave_rows", "load_pretrained", "read_config",
-           "read_generation_config", "read_tensors", "save_random_checkpoint"]
+__all__ = ["ARCHITECTURES", "Agreement", "CheckpointConfig", "CheckpointError", "PretrainedGPT",
+           "checkpoint_folder", "compare_with_transformers", "interleave_rows",
+           "load_pretrained", "read_config", "read_generation_config", "read_tensors",
+           "save_random_checkpoint"]
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -780,7 +781,7 @@ def _dtype(dtype) -> torch.dtype | None:
     return named
 
 
-# ----------------------------------------------------------------- random checkpoints, for tests
+# --------------------------------------- random checkpoints and the comparison with transformers
 
 TINY_SIZES = {
     "llama": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -835,3 +836,39 @@ def save_random_checkpoint(folder, architecture: str = "llama", *, seed: int = 0
     kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
     model.save_pretrained(folder, **kwargs)
     return model
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How closely the course's model follows transformers' on one batch of prompts:
+    ``logit_gap``, the largest |difference| of their logits (B, T, V); ``tokens``, how many of
+    the ``new_tokens`` greedy tokens equal transformers' before the first that differs, in the
+    row where that comes first."""
+
+    logit_gap: float
+    tokens: int
+    new_tokens: int
+
+    @property
+    def same_tokens(self) -> bool:
+        return self.tokens == self.new_tokens
+
+    def __str__(self) -> str:
+        return (f"logits within {self.logit_gap:.1e} of transformers', {self.tokens} of "
+                f"{self.new_tokens} greedy tokens the same")
+
+
+def compare_with_transformers(model: GPT, reference, idx: Tensor,
+                              max_new_tokens: int = 32) -> Agreement:
+    """The course's ``model`` against the transformers model ``reference`` (the same weights),
+    on prompts idx (B, T) on the models' device: their logits, and their greedy generations of
+    ``max_new_tokens`` (transformers' ``generate(do_sample=False)``, the course's through its KV
+    cache; neither stops early when the checkpoint names no end token)."""
+    with torch.no_grad():
+        gap = (model(idx).float() - reference(idx).logits.float()).abs().max().item()
+    ours = model.generate(idx, max_new_tokens)[:, idx.shape[1]:]
+    theirs = reference.generate(idx, attention_mask=torch.ones_like(idx), do_sample=False,
+                                max_new_tokens=max_new_tokens)[:, idx.shape[1]:]
+    n = min(ours.shape[1], theirs.shape[1])   # shorter where one stopped at an end token
+    equal_so_far = (ours[:, :n] != theirs[:, :n]).cumsum(dim=1) == 0           # (B, n)
+    return Agreement(gap, int(equal_so_far.sum(dim=1).min()), max_new_tokens)
