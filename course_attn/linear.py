@@ -23,7 +23,8 @@ kernel, Choromanski et al. 2021), or any callable (..., D) -> (..., D'), e.g. a
 
 The delta rule (``delta_rule``, ``delta_rule_step``): DeltaNet and Gated DeltaNet, whose state is
 not summed but rewritten, S_t = α_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ, in a recurrent and
-a chunked (WY/UT) form.
+a chunked (WY/UT) form; ``ShortConvolution``, the causal depthwise convolution DeltaNet puts on
+q, k and v before it.
 """
 
 import functools
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from .arguments import check_positive_ints
 from .attention import _accumulation_dtype, _shape, check_attention_inputs
@@ -485,3 +486,34 @@ def _delta_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Tensor |
         state = (gamma[:, :, i, -1, None, None] * state
                  + (to_end[:, :, i, :, None] * k[:, :, i]).transpose(-2, -1) @ written)
     return torch.cat(outs, dim=2)[:, :, :t]
+
+
+class ShortConvolution(nn.Module):
+    """DeltaNet's short convolution: a causal, depthwise 1-D convolution over time, one filter of
+    ``kernel_size`` taps per channel, then SiLU (``activation=None`` leaves it out).
+
+    x (B, T, C) -> (B, T, C). Output t of channel c is Σ_i w[c, i] x[t - K + 1 + i, c] over the K
+    taps (positions before 0 read as zeros): it reads its own token and the K - 1 before it, never
+    a later one. DeltaNet passes q, k and v through one each, right after their projections and
+    before the delta rule, so a token's key can carry something of the tokens just before it
+    (Yang et al. 2024; flash-linear-attention's ``ShortConvolution``: kernel 4, no bias).
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4, *, bias: bool = False,
+                 activation: str | None = "silu"):
+        super().__init__()
+        check_positive_ints(channels=channels, kernel_size=kernel_size)
+        if activation not in ("silu", None):
+            raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+        self.kernel_size, self.activation = kernel_size, activation
+        self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.conv.in_channels:
+            raise ValueError(f"x must be (B, T, C={self.conv.in_channels}), got {_shape(x)}")
+        # K - 1 zeros on the left only: output t sees inputs t - K + 1 .. t
+        y = self.conv(F.pad(x.transpose(1, 2), (self.kernel_size - 1, 0))).transpose(1, 2)
+        return F.silu(y) if self.activation == "silu" else y
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, activation={self.activation!r}"

@@ -1,7 +1,9 @@
 """linear.delta_rule and delta_rule_step: the recurrent and chunked (WY/UT) forms equal the
 update written out from its definition (float64, explicit matrices I - β k kᵀ), with and without
 a gate; decoding token by token gives them too; β = 0 writes nothing and β = 1 replaces what a
-unit key stores; α = 1 is no gate; gradients agree; bad input is refused by name."""
+unit key stores; α = 1 is no gate; gradients agree; bad input is refused by name. DeltaNet's
+ShortConvolution is causal, reaches exactly its K - 1 previous tokens, and equals its sum of taps
+written out."""
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from helpers import qkv, randn
 from hypothesis import given
 from hypothesis import strategies as st
 
-from course_attn.linear import DELTA_FORMS, delta_rule, delta_rule_step
+from course_attn.linear import DELTA_FORMS, ShortConvolution, delta_rule, delta_rule_step
 
 seeds = st.integers(0, 2 ** 31 - 1)
 
@@ -279,3 +281,69 @@ def test_bad_steps_raise_value_error():
                                          r"\(2, 3, 8, 5\)"):
         delta_rule_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], beta[:, :, :1],
                         torch.zeros(2, 3, 5, 8))
+
+
+# ---------------------------------------------------------------- DeltaNet's short convolution
+
+def taps_written_out(conv: ShortConvolution, x):
+    """out[b, t, c] = Σ_i w[c, i] x[b, t - K + 1 + i, c] (+ bias), zero before position 0, then
+    SiLU: float64, one tap at a time."""
+    w = conv.conv.weight.double()[:, 0]                                  # (C, K)
+    x = x.double()
+    kernel, (b, t, c) = w.shape[-1], x.shape
+    out = torch.zeros(b, t, c, dtype=torch.float64, device=x.device)
+    for n in range(t):
+        for i in range(kernel):
+            source = n - kernel + 1 + i
+            if source >= 0:
+                out[:, n] += w[:, i] * x[:, source]
+    if conv.conv.bias is not None:
+        out += conv.conv.bias.double()
+    return F.silu(out) if conv.activation == "silu" else out
+
+
+@pytest.mark.parametrize("kernel, bias, activation", [(4, False, "silu"), (1, False, "silu"),
+                                                      (3, True, None), (6, False, None)])
+def test_short_convolution_equals_its_taps_written_out(device, kernel, bias, activation):
+    torch.manual_seed(0)
+    conv = ShortConvolution(5, kernel, bias=bias, activation=activation).to(device)
+    if bias:
+        with torch.no_grad():
+            conv.conv.bias.normal_()
+    x = randn(2, 9, 5, seed=1, device=device)
+    assert_close(conv(x), taps_written_out(conv, x))
+    # and PyTorch's own causal form: a conv1d padded by K - 1 on both sides, its last K - 1
+    # outputs (those that read past the end) dropped
+    padded = F.conv1d(x.transpose(1, 2), conv.conv.weight, conv.conv.bias, padding=kernel - 1,
+                      groups=5)[..., :9].transpose(1, 2)
+    assert_close(conv(x), F.silu(padded) if activation == "silu" else padded)
+
+
+@pytest.mark.parametrize("kernel", [1, 2, 4])
+def test_short_convolution_is_causal_and_reaches_exactly_k_tokens(kernel):
+    """The gradient of output t reaches inputs t - K + 1 .. t of its own channel, and nothing
+    else: no later token, no earlier one, no other channel."""
+    conv = ShortConvolution(3, kernel).double()
+    x = torch.randn(1, 10, 3, dtype=torch.float64, requires_grad=True)
+    for t in range(10):
+        for c in range(3):
+            (grad,) = torch.autograd.grad(conv(x)[0, t, c], x)
+            reached = {(int(s), int(ch)) for s, ch in grad[0].nonzero()}
+            assert reached == {(s, c) for s in range(max(0, t - kernel + 1), t + 1)}, (t, c)
+
+
+def test_short_convolution_is_deltanets_depthwise_kernel_of_four_without_bias():
+    conv = ShortConvolution(32)
+    assert conv.conv.weight.shape == (32, 1, 4) and conv.conv.bias is None
+    assert sum(p.numel() for p in conv.parameters()) == 32 * 4
+
+
+@pytest.mark.parametrize("kwargs, x, message", [
+    (dict(channels=4, kernel_size=0), None, "kernel_size must be a positive int, got 0"),
+    (dict(channels=4, activation="relu"), None, "activation must be 'silu' or None"),
+    (dict(channels=4), torch.randn(2, 5, 3), r"x must be \(B, T, C=4\), got \(2, 5, 3\)"),
+    (dict(channels=4), torch.randn(5, 4), r"x must be \(B, T, C=4\), got \(5, 4\)"),
+])
+def test_short_convolution_refuses_bad_input_by_name(kwargs, x, message):
+    with pytest.raises(ValueError, match=message):
+        ShortConvolution(**kwargs)(x)
