@@ -10,9 +10,9 @@ pool as a sequence grows, so at most one partly filled block per sequence is was
                                                      slot p % bs of that block
     paged attention        a query against the keys and values gathered through its table
 
-Blocks are reference counted, so sequences with a common prefix share the blocks that hold it
-(SGLang's RadixAttention, vLLM's prefix caching); the first write into a shared block copies it
-(copy-on-write), so no sequence ever sees another's tokens. ``PoolExhausted`` (a ``ValueError``)
+Blocks are reference counted, so sequences with a common prefix share the blocks that hold it;
+the first write into a shared block copies it (copy-on-write, vLLM's, Kwon et al., 2023, §4.4),
+so no sequence ever sees another's tokens. ``PoolExhausted`` (a ``ValueError``)
 says the pool has no free block: a serving engine catches it and preempts a request
 (``serve.py``).
 """
@@ -41,7 +41,8 @@ class PagedKVCache:
     ``release(b)`` drops one and frees the block at zero; freed blocks are reused, the most
     recently freed first. ``write(layer, slots, k, v)`` stores keys and values at flat slots
     ``block * block_size + offset``. ``new_table()`` is an empty ``BlockTable`` on this pool;
-    ``copies`` counts the blocks copied on write.
+    ``copies`` counts the blocks copied on write, ``allocations`` the blocks taken from the free
+    list.
     """
 
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int,
@@ -58,6 +59,7 @@ class PagedKVCache:
                               device=device) for _ in range(n_layers)]
         self.refcount = [0] * num_blocks
         self.copies = 0                                       # copy-on-write copies made
+        self.allocations = 0                                  # blocks taken from the free list
         self._free = list(range(num_blocks - 1, -1, -1))     # a stack: block 0 is taken first
 
     @property
@@ -79,6 +81,7 @@ class PagedKVCache:
             raise PoolExhausted(f"the pool's {self.num_blocks} blocks are all in use")
         block = self._free.pop()
         self.refcount[block] = 1
+        self.allocations += 1
         return block
 
     def _check_block(self, block) -> None:

@@ -53,6 +53,7 @@ def test_blocks_are_counted_freed_and_reused():
     pool.release(a)
     assert pool.refcount[a] == 0 and pool.num_free == 2
     assert pool.allocate() == a                               # the freed block comes back
+    assert pool.allocations == 3                              # shares are not allocations
 
 
 def test_an_exhausted_pool_raises_a_typed_value_error():
