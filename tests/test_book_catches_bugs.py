@@ -62,6 +62,9 @@ DELTA_CELLS = ("253a2789",             # chapter 10's imports
                "9b08cc8b")             # the delta rule: recurrent, chunked, step by step
 ROUNDS_CELLS = ("perf-01",             # the appendix's imports and the machine
                 "perf-median")         # the rounds behind one measurement
+REAL_MODELS_CELLS = ("real-01",       # the real-models appendix's imports and prompts
+                     "real-03",       # save_and_load
+                     "real-qwen2", "real-phi3", "real-olmo2", "real-gemma3")
 
 BUGS = [
     Bug("ch02-scale-1-over-D", "02_scaled_dot_product", "attention.py",
@@ -187,6 +190,32 @@ BUGS = [
         "                request.table.free()\n"
         "                return\n"
         "            request.new = request.prompt_len - shared"),
+    # the real-models appendix: each architecture's detail that loads without a complaint when
+    # it is wrong (a Qwen2 read without its biases is refused by the loader, by name)
+    Bug("real-qwen2-query-bias-not-permuted-with-its-rows", "appendix_real_models",
+        "checkpoints.py",
+        'if name.endswith(("attn.q_proj.weight", "attn.q_proj.bias", "q_proj.norm.weight")):',
+        'if name.endswith(("attn.q_proj.weight", "q_proj.norm.weight")):',
+        cells=REAL_MODELS_CELLS),
+    Bug("real-phi3-fused-k-and-v-cut-in-the-wrong-order", "appendix_real_models",
+        "checkpoints.py",
+        '        out[ours + "attn.k_proj.weight"] = qkv[q:q + kv]\n'
+        '        out[ours + "attn.v_proj.weight"] = qkv[q + kv:]',
+        '        out[ours + "attn.k_proj.weight"] = qkv[q + kv:]\n'
+        '        out[ours + "attn.v_proj.weight"] = qkv[q:q + kv]',
+        cells=REAL_MODELS_CELLS),
+    Bug("real-olmo2-mlp-norm-before-not-after", "appendix_real_models", "checkpoints.py",
+        "return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x) if before else x)), weights",
+        "return x + self.mlp(self.pre_mlp_norm(x) if before else self.post_mlp_norm(x)), weights",
+        cells=REAL_MODELS_CELLS),
+    Bug("real-gemma3-embeddings-not-scaled", "appendix_real_models", "checkpoints.py",
+        "embedding_scale=config.d_model ** 0.5,",
+        "embedding_scale=1.0,",
+        cells=REAL_MODELS_CELLS),
+    Bug("real-gemma3-global-layer-one-too-early", "appendix_real_models", "checkpoints.py",
+        'sliding_layers=tuple(kind == "sliding_attention" for kind in kinds),',
+        'sliding_layers=tuple(kind == "sliding_attention" for kind in kinds[1:] + kinds[:1]),',
+        cells=REAL_MODELS_CELLS),
     Bug("appendix-time-is-the-fastest-round", "appendix_performance", "timing.py",
         "Measured(statistics.median(times[name]),",
         "Measured(min(times[name]),",

@@ -11,13 +11,15 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
 import course_attn
 from course_attn.checkpoints import (
-    CheckpointError, interleave_rows, load_pretrained, read_tensors, save_random_checkpoint,
+    CheckpointError, compare_with_transformers, interleave_rows, load_pretrained, read_tensors,
+    save_random_checkpoint,
 )
 from course_attn.model import generate
 from course_attn.rope import RotaryEmbedding
@@ -111,9 +113,11 @@ def test_logits_equal_transformers(checkpoints, name):
     assert (ours - reference).abs().max() <= ATOL
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2",
+                                  "gemma3"])
 def test_interleaved_layout_gives_the_same_logits(checkpoints, name):
-    """Meta's layout: Wq and Wk rows permuted back, pairs (2i, 2i+1) rotated; the same model."""
+    """Meta's layout: Wq and Wk rows permuted back, pairs (2i, 2i+1) rotated; the same model.
+    Qwen2's q and k biases are permuted with their rows."""
     folder, hf_model = checkpoints[name]
     idx = prompts()
     model = load_pretrained(folder, rope_layout="interleaved")
@@ -131,6 +135,52 @@ def test_checkpoints_have_random_norm_gains_and_biases(checkpoints, name):
     assert vectors
     for parameter_name, p in vectors:
         assert len(set(p.tolist())) == p.numel(), parameter_name
+
+
+def test_compare_with_transformers_reports_the_gap_and_the_tokens(checkpoints):
+    """The appendix's helper: transformers' own numbers for a right model, a gap past the
+    tolerance and fewer than 32 equal tokens for a wrong one."""
+    folder, hf_model = checkpoints["llama"]
+    idx = prompts(batch=2)
+    right = compare_with_transformers(load_pretrained(folder), hf_model, idx)
+    assert right.logit_gap <= ATOL and right.same_tokens and right.tokens == 32
+    assert str(right).endswith(", 32 of 32 greedy tokens the same")
+    model = load_pretrained(folder)
+    _no_rope_scaling(model)
+    wrong = compare_with_transformers(model, hf_model, idx)
+    assert wrong.logit_gap > 10 * ATOL and not wrong.same_tokens
+
+
+class _Replay:
+    """A stand-in for a transformers model: given logits, and tokens for generate."""
+
+    def __init__(self, logits, tokens):
+        self.logits, self.tokens = logits, tokens
+
+    def __call__(self, idx):
+        return types.SimpleNamespace(logits=self.logits)
+
+    def generate(self, idx, **options):
+        return self.tokens
+
+
+def test_compare_with_transformers_counts_the_tokens_before_the_first_difference(checkpoints):
+    """tokens: the row whose first difference comes first decides; a difference after it does
+    not count; a reference that stopped early (an end token) is shorter, never equal."""
+    model = load_pretrained(checkpoints["llama"][0])
+    idx = prompts(batch=2)
+    with torch.no_grad():
+        logits = model(idx)
+    ours = model.generate(idx, 8)
+    theirs = ours.clone()
+    theirs[1, PROMPT_LEN + 5] += 1                      # row 1 differs at its 6th new token
+    theirs[0, PROMPT_LEN + 7] += 1                      # row 0 at its 8th
+    agreement = compare_with_transformers(model, _Replay(logits + 0.5, theirs), idx, 8)
+    assert agreement.logit_gap == pytest.approx(0.5)
+    assert (agreement.tokens, agreement.same_tokens) == (5, False)
+    agreement = compare_with_transformers(model, _Replay(logits, ours[:, :PROMPT_LEN + 3]),
+                                          idx, 8)
+    assert (agreement.logit_gap, agreement.tokens) == (0.0, 3)
 
 
 def test_interleave_rows_is_the_inverse_of_the_hf_conversion():
@@ -580,6 +630,9 @@ def _load_error(folder) -> str:
     ("llama", dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),  # Gemma 2
     ("llama", dict(sliding_window=4), "sliding_window=4"),                  # a Mistral
     ("gpt2", dict(use_parallel_residual=True), "use_parallel_residual=True"),       # GPT-NeoX
+    # a Qwen2 read as a Llama, which has no biases: they are not dropped silently
+    ("qwen2", dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+     "has tensor 'model.layers.0.self_attn.k_proj.bias' in model.safetensors (and 5 more"),
 ])
 def test_unsupported_config_is_one_line_naming_it(checkpoints, tmp_path, name, changes, message):
     folder = _copy(checkpoints, name, tmp_path)
