@@ -611,13 +611,17 @@ def uncached_loop():
 def test_greedy_decode_without_the_cache_scores_0():
     """Issue 42: rerunning the whole sequence at every step (the notebook's demonstration of
     the model without a cache) gives the right logits and scored 4/4, though the exercise asks
-    to keep the cache. It feeds the prompt again at every step: the guard counts what is read of
-    the prompt, and the second read scores 0, named."""
+    to keep the cache. It runs the earlier tokens through wk and wv again at every step: the
+    guard counts the tokens that go through them (harness._Feeds), and past the P + n - 1 of a
+    cached generation the call scores 0, named."""
     judgement = run_exercise(get(DECODE_LOOP), uncached_loop())
     assert all(r.passed for r in judgement.results)       # the values are right
     assert judgement.credit() == 0
-    assert judgement.reason().startswith("reads prompt a second time, in torch.cat")
-    assert "the prompt goes through the model once, in the prefill" in judgement.reason()
+    assert judgement.reason().startswith(
+        "reads the earlier tokens (more than the 12 a cached generation runs through wk and wv, "
+        "5 of the prompt and 7 new) a second time, in torch.functional.einsum (it runs "
+        "aten.bmm), which this exercise does not allow"), judgement.reason()
+    assert "every token goes through the model once" in judgement.reason()
     for seed in range(3):
         assert grade_here(get(DECODE_LOOP), uncached_loop(), seed).credit() == 0, seed
         assert grade_here(get(DECODE_LOOP), given_loop(REPAIRED), seed).credit() == 1, seed
@@ -628,6 +632,165 @@ def _given_namespace():
     exec(_cell("ch08-setup"), namespace)
     exec(_cell("ch08-greedy_decode-given"), namespace)
     return namespace["attend_step"], namespace["empty_cache"]
+
+
+def _fed_again(copy):
+    """The model without a cache, fed at every step a sequence that began as ``copy(prompt)``
+    (issue 42: a copy of the prompt was not the prompt the guard counted the reads of)."""
+    step, empty = _given_namespace()
+
+    def greedy_decode(params, prompt, n_new):
+        sequence, rows = copy(prompt), []
+        for _ in range(n_new):
+            rows.append(step(params, sequence, empty(params))[-1])
+            sequence = torch.cat([sequence, rows[-1].argmax().reshape(1)])
+        return torch.stack(rows)
+    return greedy_decode
+
+
+def _fed_from_a_list(params, prompt, n_new):
+    step, empty = _given_namespace()
+    sequence, rows = prompt.tolist(), []
+    for _ in range(n_new):
+        rows.append(step(params, torch.tensor(sequence), empty(params))[-1])
+        sequence.append(int(rows[-1].argmax()))
+    return torch.stack(rows)
+
+
+def _fed_from_a_buffer(params, prompt, n_new):
+    step, empty = _given_namespace()
+    tokens, p, rows = torch.zeros(len(prompt) + n_new, dtype=torch.long), len(prompt), []
+    tokens[:p] = prompt
+    for i in range(n_new):
+        rows.append(step(params, tokens[:p + i], empty(params))[-1])
+        tokens[p + i] = rows[-1].argmax()
+    return torch.stack(rows)
+
+
+def _embeddings_cached(params, prompt, n_new):
+    """A cache of the tokens' embeddings, whose keys and values are computed again each step."""
+    step, _ = _given_namespace()
+    heads, _, d = params["wk"].shape
+    embeddings, rows = params["embed"][prompt], []
+    for _ in range(n_new):
+        q, k, v = (torch.einsum("tc,hcd->htd", embeddings, params[w]) for w in ("wq", "wk", "wv"))
+        n = len(embeddings)
+        angles = torch.outer(torch.arange(n, dtype=torch.float64),
+                             10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d))
+        q, k = rotate(q, angles.cos(), angles.sin()), rotate(k, angles.cos(), angles.sin())
+        visible = torch.ones(n, n, dtype=torch.bool).tril()
+        scores = (q @ k.transpose(1, 2) / math.sqrt(d)).masked_fill(~visible, float("-inf"))
+        mixed = torch.einsum("htl,hld,hdc->tc", torch.softmax(scores, -1), v, params["wo"])
+        rows.append(((embeddings + mixed) @ params["unembed"])[-1])
+        embeddings = torch.cat([embeddings, params["embed"][rows[-1].argmax().reshape(1)]])
+    return torch.stack(rows)
+
+
+RECOMPUTED = {"a clone of the prompt": _fed_again(torch.clone),
+              "torch.cat of the prompt alone": _fed_again(lambda p: torch.cat([p])),
+              "the prompt plus 0": _fed_again(lambda p: p + 0),
+              "the prompt indexed": _fed_again(lambda p: p[torch.arange(len(p))]),
+              "the prompt as a list": _fed_from_a_list,
+              "a buffer of tokens the prompt was written into": _fed_from_a_buffer,
+              "a cache of embeddings": _embeddings_cached}
+
+
+@pytest.mark.parametrize("name", RECOMPUTED)
+def test_a_loop_that_feeds_a_copy_of_the_sequence_again_scores_0(name):
+    """Issue 42: a copy of the prompt re-fed at every step, however it was made (or the
+    embeddings cached instead of the keys and values), gives the right logits and recomputes
+    the earlier keys: 0 points, and the reason says what it ran again."""
+    judgement = run_exercise(get(DECODE_LOOP), RECOMPUTED[name])
+    assert all(r.passed for r in judgement.results)
+    assert judgement.credit() == 0
+    assert judgement.reason().startswith("reads the earlier tokens (more than the "), \
+        judgement.reason()
+
+
+def test_a_copy_of_the_prompt_scores_0_on_hidden_cases_too():
+    for seed in range(2):
+        assert grade_here(get(DECODE_LOOP), RECOMPUTED["a clone of the prompt"],
+                          seed).credit() == 0, seed
+
+
+def _cached(keys_and_values, *, prefill_by_token=False, keep_the_text=False):
+    """A repaired loop written otherwise: its cache preallocated for P + n positions and
+    written in place, the new keys and values from ``keys_and_values(params, x)`` (unrotated);
+    ``prefill_by_token`` feeds the prompt a token at a time, ``keep_the_text`` grows the whole
+    sequence by torch.cat beside the cache (bookkeeping, never fed)."""
+    namespace = {"__name__": "__notebook__"}
+    exec(_cell("ch08-setup"), namespace)
+    exec(_cell("ch08-greedy_decode-given"), namespace)
+    rope_rows = namespace["rope_rows"]
+
+    def greedy_decode(params, prompt, n_new):
+        heads, _, d = params["wq"].shape
+        room = len(prompt) + n_new
+        k_cache = torch.zeros(heads, room, d, dtype=torch.float64)
+        v_cache = torch.zeros(heads, room, params["wv"].shape[-1], dtype=torch.float64)
+        cos, sin = rope_rows(room, d)
+        length, text = 0, prompt
+
+        def forward(tokens):
+            nonlocal length
+            x, t = params["embed"][tokens], len(tokens)
+            k, v = keys_and_values(params, x)
+            c, s = cos[length:length + t], sin[length:length + t]
+            q = rotate(torch.einsum("tc,hcd->htd", x, params["wq"]), c, s)
+            k_cache[:, length:length + t], v_cache[:, length:length + t] = rotate(k, c, s), v
+            length += t
+            scores = q @ k_cache[:, :length].transpose(1, 2) / math.sqrt(d)
+            visible = torch.ones(t, length, dtype=torch.bool).tril(length - t)
+            weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+            mixed = torch.einsum("htl,hld,hdc->tc", weights, v_cache[:, :length], params["wo"])
+            return (x + mixed) @ params["unembed"]
+        if prefill_by_token:
+            rows = [[forward(token.reshape(1)) for token in prompt][-1][-1]]
+        else:
+            rows = [forward(prompt)[-1]]
+        while len(rows) < n_new:
+            token = rows[-1].argmax().reshape(1)
+            if keep_the_text:
+                text = torch.cat([text, token])
+            rows.append(forward(token)[-1])
+        return torch.stack(rows)
+    return greedy_decode
+
+
+def _by_einsum(params, x):
+    return tuple(torch.einsum("tc,hcd->htd", x, params[w]) for w in ("wk", "wv"))
+
+
+def _head_by_head(params, x):
+    return tuple(torch.stack([x @ w for w in params[name]]) for name in ("wk", "wv"))
+
+
+def _stacked(params, x):
+    both = torch.einsum("tc,shcd->shtd", x, torch.stack([params["wk"], params["wv"]]))
+    return both[0], both[1]
+
+
+def _flattened(params, x):
+    heads, c, d = params["wk"].shape
+    return tuple((x @ params[w].permute(1, 0, 2).reshape(c, heads * d))
+                 .reshape(-1, heads, d).transpose(0, 1) for w in ("wk", "wv"))
+
+
+CACHED = {"keys and values by einsum": _cached(_by_einsum),
+          "head by head": _cached(_head_by_head),
+          "wk and wv stacked": _cached(_stacked),
+          "the weights flattened to (C, H·D)": _cached(_flattened),
+          "a prefill a token at a time": _cached(_by_einsum, prefill_by_token=True),
+          "the whole text kept beside the cache": _cached(_by_einsum, keep_the_text=True)}
+
+
+@pytest.mark.parametrize("name", CACHED)
+def test_a_cached_loop_written_otherwise_earns_full_marks(name):
+    """A cache of another shape (preallocated, written in place, keys unrotated until written),
+    the projections written another way (per head, stacked, flattened: the copies einsum and
+    reshape make of the weights count as the weights), a prefill a token at a time, a text
+    kept by torch.cat beside the cache: each computes each token's key once, and passes."""
+    assert grade_here(get(DECODE_LOOP), CACHED[name], 0).credit() == 1
 
 
 def divergence(compare="tokens", shift=0, against=None):
@@ -714,11 +877,23 @@ def test_first_divergence_may_not_call_the_package():
 
 # --- check() and the grader agree ---------------------------------------------------------------
 
+COPIED_PROMPT = '''def greedy_decode(params, prompt, n_new):
+    sequence, rows = prompt.clone(), []
+    for _ in range(n_new):
+        rows.append(attend_step(params, sequence, empty_cache(params))[-1])
+        sequence = torch.cat([sequence, rows[-1].argmax().reshape(1)])
+    return torch.stack(rows)
+'''
+
+
 def test_check_and_the_grader_refuse_a_fill_cache_that_grows_by_torch_cat(tmp_path, capsys):
     """The issue: check() printed '6/6 checks passed' for a fill_cache built with torch.cat,
     which the grader then refused. Both use the same guard now: check() says first that the
     call is refused (the passed cases come after, 'apart from that'), and the grader, on a copy
-    of the solution notebook with that answer, gives 0 points for the same reason."""
+    of the solution notebook with that answer, gives 0 points for the same reason. In the same
+    notebook, a greedy_decode that feeds a copy of the prompt to the model without a cache at
+    every step (issue 42): the guard in the sandboxed kernel counts what goes through wk and wv,
+    and the grader gives 0 for the reason the in-process judge gives."""
     import nbformat
 
     from course_attn.grading import ExerciseFailed, check, grader
@@ -741,6 +916,12 @@ def test_check_and_the_grader_refuse_a_fill_cache_that_grows_by_torch_cat(tmp_pa
     assert printed.startswith("ch08.fill_cache: failed: it calls torch.cat"), printed
     assert "apart from that, 6/6 checks passed" in printed
     in_process = run_exercise(get(FILL), namespace["fill_cache"]).reason()
+    notebook = {"__name__": "__notebook__"}
+    for grade_id in ("ch08-setup", "ch08-greedy_decode-given"):
+        exec(_cell(grade_id), notebook)
+    exec(COPIED_PROMPT, notebook)
+    copied = run_exercise(get(DECODE_LOOP), notebook["greedy_decode"]).reason()
+    assert copied.startswith("reads the earlier tokens (more than the 12 "), copied
 
     if unavailable():
         pytest.skip(f"the grader's sandbox: {unavailable()}")
@@ -748,6 +929,8 @@ def test_check_and_the_grader_refuse_a_fill_cache_that_grows_by_torch_cat(tmp_pa
     for cell in nb.cells:
         if id_of(cell) == "ch08-fill_cache-solution":
             cell.source = source
+        if id_of(cell) == "ch08-greedy_decode-solution":
+            cell.source = COPIED_PROMPT
     path = tmp_path / NOTEBOOK.name
     nbformat.write(nb, path)
     grade = grader.grade_notebook(path, solutions_dir=NOTEBOOK.parent, hidden_seed=0)
@@ -755,7 +938,10 @@ def test_check_and_the_grader_refuse_a_fill_cache_that_grows_by_torch_cat(tmp_pa
     assert scores["ch08-fill_cache"].points == 0
     assert scores["ch08-fill_cache"].reason == in_process
     assert "calls torch.cat, which this exercise does not allow" in in_process
-    assert all(e.passed for gid, e in scores.items() if gid != "ch08-fill_cache"), scores
+    assert scores["ch08-greedy_decode"].points == 0
+    assert scores["ch08-greedy_decode"].reason == copied
+    assert all(e.passed for gid, e in scores.items()
+               if gid not in ("ch08-fill_cache", "ch08-greedy_decode")), scores
 
 
 # --- mla_decode_step ------------------------------------------------------------------------------

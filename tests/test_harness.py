@@ -416,10 +416,11 @@ def test_the_guard_needs_nothing_of_the_compiler(before):
 
 # --- evaluate(): a request in, an answer out ---------------------------------------------------
 
-def evaluate(namespace, name, cases, refused=(), kind="function", ops=None):
+def evaluate(namespace, name, cases, refused=(), kind="function", ops=None, **options):
+    """``options``: more of the guard's (``no_copy``, ``feeds``...), as the grader sends them."""
     reported = []
     request = {"name": name, "kind": kind, "refused": list(refused), "ops": ops,
-               "package": PACKAGE, "allowed": [], "functions": [],
+               "package": PACKAGE, "allowed": [], "functions": [], **options,
                "cases": [{"args": encode(list(args)), "kwargs": encode(kwargs)}
                          for args, kwargs in cases]}
     answer = json.loads(json.dumps(harness.evaluate(json.loads(json.dumps(request)), namespace,
@@ -474,6 +475,88 @@ def test_a_tensor_subclass_as_the_result_runs_none_of_its_code():
 
     answer, _ = evaluate({"f": lambda: torch.zeros(2).as_subclass(Sneaky)}, "f", [((), {})])
     assert "unencodable" in answer["results"][0] and ran == []
+
+
+# --- feeds: a cached generation runs each token once through the weights its cache stands for
+
+MODEL = {"embed": torch.randn(10, 6, dtype=torch.float64),
+         "w": torch.randn(6, 4, dtype=torch.float64)}
+PROMPT = torch.tensor([3, 1, 4])
+FEEDS = [0, ["w"], 1, 2]  # the weights: args[0]["w"]; the prompt: args[1]; n new: args[2]
+
+
+def generation(weights=lambda w: w, extra=0, rows=lambda x, w: x @ w):
+    """A generation's work on ``w``: the prompt's rows, then one row per step but the last
+    (and ``extra`` rows more), each through ``weights(w)``, made anew at every step, by
+    ``rows(x, w)``."""
+    def generate(params, prompt, n_new):
+        x = params["embed"][prompt]
+        out = [rows(x, weights(params["w"]))]
+        for _ in range(n_new - 1 + extra):
+            out.append(rows(x[-1:], weights(params["w"])))
+        return torch.cat(out).sum()
+    return generate
+
+
+def feeds_hits(fn, n_new=4):
+    answer, hits = evaluate({"generate": fn}, "generate", [((MODEL, PROMPT, n_new), {})],
+                            feeds=FEEDS)
+    assert answer["banned"] == hits
+    return hits
+
+
+WEIGHT_COPIES = {"itself": lambda w: w, "a clone": torch.clone, "plus 0": lambda w: w + 0,
+                 "transposed and made contiguous": lambda w: w.t().contiguous().t(),
+                 "stacked": lambda w: torch.stack([w])[0], "through float32": lambda w: w.float().double(),
+                 "written into a buffer": lambda w: torch.empty_like(w).copy_(w),
+                 "doubled then halved": lambda w: w * 2 / 2}
+
+
+@pytest.mark.parametrize("name", WEIGHT_COPIES)
+def test_a_generation_may_run_prompt_plus_n_minus_1_tokens_through_the_weights(name):
+    """P + n - 1 rows through the weights, however copied, pass; one row more is a hit that
+    says how many a cached generation runs."""
+    copy = WEIGHT_COPIES[name]
+    assert feeds_hits(generation(copy)) == []
+    hits = feeds_hits(generation(copy, extra=1))
+    assert hits == [f"{harness.READ_AGAIN}the earlier tokens (more than the 6 a cached "
+                    "generation runs through w, 3 of the prompt and 3 new): torch.Tensor.matmul "
+                    "(it runs aten.mm)"], hits
+
+
+def test_a_product_of_any_kind_with_the_weights_counts_its_rows():
+    """Elementwise, a matrix-vector product, a head-by-head loop: a row's worth each."""
+    def elementwise(x, w):
+        return (x[:, :, None] * w).sum(1)
+
+    def by_columns(x, w):
+        return torch.stack([torch.mv(x, column) for column in w.t()], dim=1)
+    for rows in (elementwise, by_columns, lambda x, w: torch.einsum("tc,cd->td", x, w)):
+        assert feeds_hits(generation(rows=rows)) == []
+        assert len(feeds_hits(generation(rows=rows, extra=1))) == 1
+
+
+def test_a_copy_of_the_weights_keeps_its_memory_until_the_call_ends():
+    """A copy of the weights that is dropped at once frees memory that the next tensor of its
+    size may take: if it did, that tensor would count as the weights. Each step copies the
+    weights, drops the copy and multiplies by a fresh tensor of the same size (ones_like
+    reads the weights' shape only: no copy)."""
+    def generate(params, prompt, n_new):
+        x, total = params["embed"][prompt], 0
+        for _ in range(4 * n_new):
+            (params["w"] * 1.0).sum()
+            total = total + (x @ torch.ones_like(params["w"].t().contiguous().t())).sum()
+        return total + (x @ params["w"]).sum()
+    assert feeds_hits(generate) == []
+
+
+def test_feeds_needs_its_arguments_as_declared():
+    """Arguments that are not a dict of tensors, a tensor of tokens and an int: no rule."""
+    answer, hits = evaluate({"f": lambda *a: torch.zeros(1)}, "f",
+                            [(([1], PROMPT, 4), {}), ((MODEL, [3, 1], 4), {}),
+                             (({"w": 2.0}, PROMPT, 4), {}), ((MODEL, PROMPT, 4.0), {})],
+                            feeds=FEEDS)
+    assert hits == [] and all("value" in r for r in answer["results"])
 
 
 # --- what the grader makes of an answer, whatever the kernel wrote -------------------------------

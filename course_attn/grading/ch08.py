@@ -493,14 +493,14 @@ register(Exercise(
     key="ch08.greedy_decode", function="greedy_decode", reference=greedy_decode_reference,
     task="debug", given=_decode_wrong(_at_zero, _at_zero), ops=ELEMENTARY | SOFTMAX,
     cases=_decode_cases, compare=expect_tensor, banned=NO_LIBRARY_ATTENTION,
-    # the repair keeps the cache: the prompt is fed once, in the prefill; a loop that feeds the
-    # whole sequence again at every step reads it again (the given demonstration's way: the
-    # sequence starts as the prompt and grows by torch.cat). Not seen: a loop that copies the
-    # prompt first and feeds only the copy; counting what each forward receives needs a rule
-    # of the guard's own (harness.Guard)
-    read_once=((1, "prompt"),),
-    read_once_why="with a cache the prompt goes through the model once, in the prefill; each "
-                  "later step feeds only its new token and reads the rest from the cache",
+    # the repair keeps the cache: the keys and values of the P prompt tokens are computed once,
+    # in the prefill, and each later step computes those of its one new token; a loop that
+    # feeds the whole sequence again (the given demonstration's way), whatever copy of the
+    # prompt or of its tokens it feeds, runs more tokens through wk and wv (harness._Feeds)
+    feeds=(0, ("wk", "wv"), 1, 2),
+    read_once_why="with a cache every token goes through the model once: the prompt in the "
+                  "prefill, then each step only its new token (the last new token is never fed "
+                  "back), whose query meets the keys and values the cache holds",
     mistakes=(
         Mistake("this is still the given loop's bug: each decode step rotates its new token at "
                 "position 0, as if the sequence began again; its position is the number of "

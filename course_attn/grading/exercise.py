@@ -84,7 +84,11 @@ class Exercise:
     tensor arguments the function must read where they are, never copy; ``no_table``: the
     positions of q, k and the block size of a tiled computation, which may not make a whole
     (Tq, Tk) table; ``read_once``: the arguments a one-pass computation reads only once
-    (``harness.Guard``), and ``read_once_why`` what a second read misses, for the student.
+    (``harness.Guard``), and ``read_once_why`` what a second read misses, for the student;
+    ``feeds``: of a generation with a cache, (position of the weights, a dict; the keys of
+    those that make what the cache keeps; position of the prompt; position of the count of new
+    tokens): it may run only P + n - 1 tokens through them (``harness._Feeds``), and a loop that
+    runs more is told ``read_once_why``.
     ``given``: for a debug exercise, the buggy function as the notebook
     gives it (same signature): a regime of the hidden cases in which it is already right is no
     regime of the exercise (``judge.Judgement.parts``), so handing it in unchanged scores 0.
@@ -106,6 +110,7 @@ class Exercise:
     read_once: tuple[tuple[int, str], ...] = ()
     given: Callable | None = None
     read_once_why: str = "it takes each chunk once, in one pass"
+    feeds: tuple | None = None
 
     @property
     def chapter(self) -> str:

@@ -292,6 +292,8 @@ class _Operations(torch.utils._python_dispatch.TorchDispatchMode):
                 guard._check_table(func, out)
             if guard._once:
                 guard._check_reads(func, args, kwargs or {}, out)
+            if guard._feeds:
+                guard._check_feeds(func, args, kwargs or {}, out)
         return out
 
 
@@ -330,6 +332,94 @@ def _table(positions, args):
     return {(tq, tk), (tk, tq)} if min(tq, tk) > block else None
 
 
+# A product's multiply-adds: its first matrix operand's size times the second's last axis
+# (mm, bmm, mv, dot and their add- forms), by where the first operand sits in its arguments.
+_PRODUCTS = {"aten.mm": 0, "aten.bmm": 0, "aten.mv": 0, "aten.dot": 0, "aten.vdot": 0,
+             "aten.addmm": 1, "aten.baddbmm": 1, "aten.addbmm": 1, "aten.addmv": 1}
+
+
+def _work(func, args, kwargs, out) -> int:
+    """An operation's work: the multiply-adds of a matrix product, else the elements it
+    writes."""
+    op = str(func.overloadpacket).removesuffix("_")
+    first = _PRODUCTS.get(op)
+    if first is not None and len(args) > first + 1 and \
+            all(type(t) is torch.Tensor for t in args[first:first + 2]):
+        a, b = args[first:first + 2]
+        return a.numel() * (b.shape[-1] if b.dim() >= 2 else 1)
+    return sum(t.numel() for t in _written(func, args, kwargs, out))
+
+
+def _written(func, args, kwargs, out) -> list:
+    """The tensors an operation writes: ``out=``, the first argument of an in-place one, else
+    what it returns."""
+    written = _tensors(kwargs.get("out"))
+    if not written and str(func.overloadpacket).endswith("_"):
+        written = _tensors(args[:1])
+    return written or _tensors(out)
+
+
+class _Feeds:
+    """What a cached generation runs through the weights that make what its cache keeps (its
+    keys and values): ``feeds`` = (position of the weights, a dict; their keys; position of
+    the prompt, token ids; position of the count of new tokens n). The prefill runs the P
+    tokens of the prompt through them, and each later step its one new token, the last one
+    never: P + n - 1 tokens in all, whatever copies the loop makes of the prompt or of the
+    tokens it chose. One that runs more computes a token's key again, which its cache holds.
+
+    Measured in multiply-adds against the weights: a product with one of them (or with a copy:
+    whatever an operation makes from the weights alone, a clone, a transpose made contiguous,
+    a stack, an einsum's reshape) costs a token's worth per row of the other operand, so the
+    whole call may spend (P + n - 1) times the weights' size. Any other operation of a weight
+    with another tensor (an elementwise product) costs the elements it writes. Copies are kept
+    until the call ends, so no later tensor takes their memory (storages are told apart by
+    address). Not seen: a copy made outside torch's dispatch (``tolist``, NumPy's copy)."""
+
+    def __init__(self, feeds, args):
+        position, keys, prompt, count = feeds
+        weights, tokens, n = (args[p] if p < len(args) else None
+                              for p in (position, prompt, count))
+        found = [weights.get(key) for key in keys] if type(weights) is dict else []
+        if not found or any(type(w) is not torch.Tensor or not w.numel() for w in found) or \
+                type(tokens) is not torch.Tensor or type(n) is not int:
+            self.budget = None
+            return
+        self.names = " and ".join(keys)
+        self.prompt, self.new = tokens.numel(), n
+        self.tokens = self.prompt + n - 1
+        self.size = sum(w.numel() for w in found)
+        self.budget = self.tokens * self.size
+        self.storages = {_storage(w) for w in found}
+        self.copies = []  # the copies, alive until the call ends
+        self.spent = 0
+
+    def after(self, func, args, kwargs, out) -> bool:
+        """Count one operation; True the first time the call has spent more than its budget."""
+        written = _written(func, args, kwargs, out)
+        read = [t for t in _tensors((args, kwargs)) if not any(t is w for w in written)]
+        if not any(t.numel() and _storage(t) in self.storages for t in read):
+            return False
+        op = str(func.overloadpacket)
+        if op.endswith("_like") or op.startswith("aten.new_"):
+            return False  # reads the weights' shape, not their values
+        if not any((t.is_floating_point() or t.is_complex()) and t.numel() > 1 and
+                   _storage(t) not in self.storages for t in read):
+            for t in written:  # made from the weights alone: a copy of them
+                if t.numel():
+                    self.storages.add(_storage(t))
+                    self.copies.append(t)
+            return False
+        before, self.spent = self.spent, self.spent + _work(func, args, kwargs, out)
+        return before <= self.budget < self.spent
+
+    def why(self, route: str) -> str:
+        """The hit, the route last (the grader keeps a hit's first 200 characters); ``judge``
+        reads it as: reads the earlier tokens (more than ...) a second time, in ``route``."""
+        return (f"{READ_AGAIN}the earlier tokens (more than the {self.tokens} a cached "
+                f"generation runs through {self.names}, {self.prompt} of the prompt and "
+                f"{self.new - 1} new): {route}")
+
+
 class Guard:
     """Checks, while armed (``with guard:``), every operation the student's function makes.
 
@@ -354,7 +444,11 @@ class Guard:
     (Tq, Tk), or (Tk, Tq), is a hit where tiles are smaller than that (Tq and Tk above the block).
     ``read_once``: ((position, name)) of arguments a one-pass computation reads once: once the
     operations that read them (views excepted) have read more elements than one holds, that is
-    a hit, ``a second read of k: torch.Tensor.__matmul__ (it runs aten.mm)``.
+    a hit, ``a second read of k: torch.Tensor.__matmul__ (it runs aten.mm)``. ``feeds``:
+    (position of the weights, a dict; the keys of those that compute what a cache keeps;
+    position of the prompt; position of the count of new tokens n) of a cached generation:
+    running more than P + n - 1 tokens through those weights is a hit, ``a second read of the
+    earlier tokens: ...`` (``_Feeds``).
 
     Where the function may run no operation at all (``ops`` empty: an answer worked out with
     arithmetic), a profiler in the calling thread also sees the package's Python code that
@@ -378,10 +472,10 @@ class Guard:
             return [tuple(item) for item in options.get(key, ())]
         return cls(options.get("ops"), options.get("refused", ()), options.get("package"),
                    pairs("allowed"), report, pairs("functions"), pairs("no_copy"),
-                   options.get("no_table"), pairs("read_once"))
+                   options.get("no_table"), pairs("read_once"), options.get("feeds"))
 
     def __init__(self, ops=None, refused=(), package=None, allowed=(), report=None,
-                 functions=(), no_copy=(), no_table=None, read_once=()):
+                 functions=(), no_copy=(), no_table=None, read_once=(), feeds=None):
         self.ops = None if ops is None else frozenset(ops)
         self.no_copy = tuple((int(position), str(name)) for position, name in no_copy)
         self._protected = {}  # in the current call: storage -> [name, elements, copied so far]
@@ -389,6 +483,9 @@ class Guard:
         self._table = None  # in the current call: the forbidden last two axes
         self.read_once = tuple((int(position), str(name)) for position, name in read_once)
         self._once = {}  # in the current call: storage -> [name, elements, read so far]
+        self.feeds = None if not feeds else (int(feeds[0]), tuple(str(k) for k in feeds[1]),
+                                             int(feeds[2]), int(feeds[3]))
+        self._feeds = None  # in the current call: a _Feeds
         self.refused = frozenset(_stem(name) for name in refused)
         self.functions = {(file, qualname): name for file, qualname, name in functions}
         self.packages = ()
@@ -478,15 +575,13 @@ class Guard:
     def _check_copy(self, func, args, kwargs, out) -> None:
         """After an operation, while a ``no_copy`` argument is guarded: count what it wrote
         from that argument alone (an in-place operation writes its first argument, or ``out``)."""
-        written = _tensors(kwargs.get("out"))
-        if not written and str(func.overloadpacket).endswith("_"):
-            written = _tensors(args[:1])
+        written = _written(func, args, kwargs, out)
         read = [t for t in _tensors((args, kwargs)) if not any(t is w for w in written)]
         sources = {_storage(t) for t in read if t.is_floating_point() or t.is_complex()}
         if len(sources) != 1 or (source := sources.pop()) not in self._protected:
             return
         count = self._protected[source]
-        copied = sum(t.numel() for t in (written or _tensors(out)) if _storage(t) != source)
+        copied = sum(t.numel() for t in written if _storage(t) != source)
         count[2] += copied
         if copied and count[2] >= count[1] > 0 and count[2] - copied < count[1]:
             self._hit(f"{COPY_OF}{count[0]}: {self._route(str(func.overloadpacket))}")
@@ -509,6 +604,10 @@ class Guard:
             if count[2] > count[1] >= count[2] - tensor.numel():
                 self._hit(f"{READ_AGAIN}{count[0]}: {self._route(str(func.overloadpacket))}")
 
+    def _check_feeds(self, func, args, kwargs, out) -> None:
+        if self._feeds.after(func, args, kwargs, out):
+            self._hit(self._feeds.why(self._route(str(func.overloadpacket))))
+
     def call(self, target, args, kwargs):
         """``target(*args, **kwargs)`` under the guard (its frame ends the stack walks).
 
@@ -520,6 +619,8 @@ class Guard:
         self._protected = _watched(self.no_copy, args)
         self._table = _table(self.no_table, args)
         self._once = _watched(self.read_once, args)
+        feeds = _Feeds(self.feeds, args) if self.feeds else None
+        self._feeds = feeds if feeds is not None and feeds.budget is not None else None
         gc.freeze()  # what lives now is old: only objects made by the call are listed after it
         try:
             with _compile_stance(), self:
@@ -529,6 +630,7 @@ class Guard:
                 self._hit(UNSEEN)
         finally:
             gc.unfreeze()
+            self._feeds = None  # and the copies it kept
         return result
 
     def _visit(self) -> None:

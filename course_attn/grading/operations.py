@@ -127,7 +127,8 @@ def guard_options(exercise, package: str | None, *, imports: bool = True) -> dic
     (``allowed``: file relative to the package, and qualified name); the arguments it may not
     copy (``no_copy``: position and name); the positions of q, k and the block size of a tiled
     computation, which may not make a whole (Tq, Tk) table (``no_table``); the arguments a
-    one-pass computation reads once (``read_once``). Without ``imports``, a
+    one-pass computation reads once (``read_once``); what a cached generation may run through
+    its weights (``feeds``). Without ``imports``, a
     refused function whose module is not imported yet is left out (``check()`` in a notebook
     need not import torch's compiler to refuse a function the notebook never imported; the
     grader imports them all)."""
@@ -153,7 +154,8 @@ def guard_options(exercise, package: str | None, *, imports: bool = True) -> dic
             "allowed": allowed,
             "no_copy": [list(item) for item in exercise.no_copy],
             "no_table": list(exercise.no_table) if exercise.no_table else None,
-            "read_once": [list(item) for item in exercise.read_once]}
+            "read_once": [list(item) for item in exercise.read_once],
+            "feeds": list(exercise.feeds) if exercise.feeds else None}
 
 
 def _code_of(dotted: str, imports: bool = True):
