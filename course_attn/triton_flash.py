@@ -493,9 +493,10 @@ def triton_attention(
 
 # The cards whose ``torch.cuda.get_device_name()`` is known to name one card, with their row in
 # ``course_attn.published``. "NVIDIA H100 80GB HBM3" is the SXM5 card; an H100 PCIe or NVL, with
-# lower peaks, reports a name of its own. The H200 SXM's row joins when the name it reports has
-# been checked on one (its NVL version has a lower peak).
-PUBLISHED_CARDS = {"NVIDIA H100 80GB HBM3": "H100 SXM"}
+# lower peaks, reports a name of its own. "NVIDIA H200" is the H200 SXM (vLLM's tuned-config
+# files are named after this string: vllm-project/vllm#28349 loads "device_name=NVIDIA_H200" on
+# one); the H200 NVL, with a lower peak, reports "NVIDIA H200 NVL" (vllm-project/vllm#23642).
+PUBLISHED_CARDS = {"NVIDIA H100 80GB HBM3": "H100 SXM", "NVIDIA H200": "H200 SXM"}
 
 
 def published_peak_tflops(device_name: str) -> float | None:

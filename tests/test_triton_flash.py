@@ -231,13 +231,18 @@ ROWS = [dict(d=64, is_causal=False, backward=False, triton=400.0, sdpa=500.0),
         dict(d=64, is_causal=True, backward=True, triton=247.0, sdpa=300.0)]
 
 
-def test_the_peak_is_published_for_an_h100_sxm_only():
-    """The name torch.cuda.get_device_name() gives an H100 SXM finds course_attn.published's
-    row; any other card finds none, its H100 siblings with lower peaks included."""
+def test_the_peak_is_published_for_an_h100_sxm_and_an_h200_sxm_only():
+    """The names torch.cuda.get_device_name() gives an H100 SXM and an H200 SXM find
+    course_attn.published's rows; any other card finds none, their siblings with lower peaks
+    (H100 PCIe and NVL, H200 NVL) included."""
     assert (triton_flash.published_peak_tflops("NVIDIA H100 80GB HBM3")
             == published.value("H100 SXM", "bf16_dense_tflops"))
-    for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA A100-SXM4-80GB",
-                 "NVIDIA GeForce RTX 4090"):
+    assert (triton_flash.published_peak_tflops("NVIDIA H200")
+            == published.value("H200 SXM", "bf16_dense_tflops"))
+    assert triton_flash.PUBLISHED_CARDS == {"NVIDIA H100 80GB HBM3": "H100 SXM",
+                                           "NVIDIA H200": "H200 SXM"}
+    for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA H100",
+                 "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 4090"):
         assert triton_flash.published_peak_tflops(name) is None, name
 
 
@@ -246,6 +251,9 @@ def test_throughput_table_quotes_the_peak_of_the_card_it_ran_on_or_none():
     known = triton_flash.throughput_table(ROWS, "NVIDIA H100 80GB HBM3", 4, 16, 4096)
     assert "triton/peak" in known and f"published peak {peak}" in known
     assert known.splitlines()[-1].split()[-2:] == ["0.25", "0.30"]      # of 989.4 TFLOP/s
+    h200 = triton_flash.throughput_table(ROWS, "NVIDIA H200", 4, 16, 4096)
+    assert f"published peak {published.value('H200 SXM', 'bf16_dense_tflops')}" in h200
+    assert "(dense bf16, H200 SXM)" in h200
     unknown = triton_flash.throughput_table(ROWS, "NVIDIA L4", 4, 16, 4096)
     assert "no published peak for NVIDIA L4" in unknown
     assert "peak" not in "\n".join(unknown.splitlines()[1:])          # no fraction columns
