@@ -33,7 +33,8 @@ interleaved pairs: the same model, the same logits.
 
 transformers is not imported here: safetensors reads the tensors (memory-mapped, handed to a
 model built on the meta device: the weights are held once), ``json`` the config and
-``generation_config.json`` (the end and pad tokens ``generate`` reads), huggingface_hub finds a
+``generation_config.json`` (the end and pad tokens ``generate`` reads, the sampling settings it
+keeps on the model), huggingface_hub finds a
 hub id in its cache. Past max_position_embeddings a RoPE model generates on, as transformers';
 config keys that would change the maths of the architecture named are refused by name.
 """
@@ -41,6 +42,7 @@ config keys that would change the maths of the architecture named are refused by
 import dataclasses
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,15 +50,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .model import GPT, Block, GenerationConfig
+from .model import GPT, Block, GenerationConfig, check_sampling
 from .multihead import MultiHeadAttention
 from .norm import RMSNorm, rms_norm
 from .rope import RotaryEmbedding
 
-__all__ = ["ARCHITECTURES", "Agreement", "CheckpointConfig", "CheckpointError", "PretrainedGPT",
-           "checkpoint_folder", "compare_with_transformers", "interleave_rows",
-           "load_pretrained", "read_config", "read_generation_config", "read_tensors",
-           "save_random_checkpoint"]
+__all__ = ["ARCHITECTURES", "Agreement", "CheckpointConfig", "CheckpointError",
+           "CheckpointGenerationConfig", "PretrainedGPT", "checkpoint_folder",
+           "compare_with_transformers", "interleave_rows", "load_pretrained", "read_config",
+           "read_generation_config", "read_tensors", "save_random_checkpoint"]
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -300,17 +302,56 @@ def _special_ids(raw: dict, key: str, path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def read_generation_config(folder) -> GenerationConfig:
-    """The end and pad tokens ``generate`` uses: from ``generation_config.json`` when the
-    folder has one, else from ``config.json`` (transformers reads them the same way)."""
+# transformers' values for the sampling settings a generation_config.json leaves out (or null)
+SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+@dataclass(frozen=True)
+class CheckpointGenerationConfig(GenerationConfig):
+    """A checkpoint's ``GenerationConfig``: the end and pad tokens, which ``generate`` reads, and
+    the sampling settings that transformers' ``generate`` uses when not told, which the course's
+    ``generate`` does not read: ``do_sample`` (a checkpoint that samples by default says True),
+    ``temperature``, ``top_k`` (None: no top-k, transformers' 0) and ``top_p`` (1: none).
+    Transformers' defaults (greedy, 1.0, 50, 1.0) where the file says nothing."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = 50
+    top_p: float = 1.0
+
+
+def _sampling(raw: dict, path: Path) -> dict:
+    """``SAMPLING_DEFAULTS``' settings as ``raw`` (read from ``path``) sets them, checked as
+    ``generate`` checks its own: CheckpointError naming the file for a bad one."""
+    values = {key: default if raw.get(key) is None else raw[key]
+              for key, default in SAMPLING_DEFAULTS.items()}
+    if values["top_k"] == 0 and not isinstance(values["top_k"], bool):
+        values["top_k"] = None                           # transformers: 0 is no top-k
+    # a greedy checkpoint that names a temperature for whoever samples is no caller's mistake:
+    # check_sampling's warning about it is for calls of generate
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            check_sampling(values["do_sample"], values["temperature"], values["top_k"],
+                           values["top_p"], seeded=False, greedy_note="", stacklevel=2)
+        except ValueError as error:
+            raise CheckpointError(f"{path}: {error}") from None
+    return values
+
+
+def read_generation_config(folder) -> CheckpointGenerationConfig:
+    """The end and pad tokens ``generate`` uses, and the sampling settings (kept on the model,
+    ``CheckpointGenerationConfig``): from ``generation_config.json`` when the folder has one,
+    else from ``config.json`` (transformers reads them the same way)."""
     folder = Path(folder)
     path = folder / "generation_config.json"
     if not path.is_file():
         path = folder / "config.json"
     raw = _read_json(path)
     pad = _special_ids(raw, "pad_token_id", path)
-    return GenerationConfig(eos_token_id=_special_ids(raw, "eos_token_id", path),
-                            pad_token_id=pad[0] if pad else None)
+    return CheckpointGenerationConfig(eos_token_id=_special_ids(raw, "eos_token_id", path),
+                                      pad_token_id=pad[0] if pad else None,
+                                      **_sampling(raw, path))
 
 
 # ----------------------------------------------------------------- the model, course modules
@@ -742,7 +783,7 @@ def load_pretrained(folder, *, dtype: torch.dtype | None = None, device=None,
     ``rope_layout``: "half" (as stored by Hugging Face) or "interleaved" (Meta's layout, the
     rows of Wq and Wk permuted back; the same logits). Returned in eval mode, with the end and
     pad tokens of ``generation_config.json`` as its ``generation_config``, which ``generate``
-    reads.
+    reads, and its sampling settings (``CheckpointGenerationConfig``), which it does not.
     The weights are held once: the checkpoint's tensors, memory-mapped, become the parameters
     (a copy only for a ``dtype`` other than the stored one).
     ``CheckpointError`` (one line) for anything the course cannot load as it is.
@@ -781,7 +822,7 @@ def _dtype(dtype) -> torch.dtype | None:
     return named
 
 
-# --------------------------------------- random checkpoints and the comparison with transformers
+# ---------------------------------- random checkpoints and the comparison with transformers
 
 TINY_SIZES = {
     "llama": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -392,6 +392,53 @@ def test_generation_stops_at_eos_as_transformers(checkpoints, reference_tokens, 
     assert model.generate(idx[:1], 32, eos_token_id=()).shape == (1, PROMPT_LEN + 32)
 
 
+def _transformers_sampling(folder):
+    """transformers' sampling settings for the checkpoint in folder: what its generation config
+    says, its defaults for what it leaves out (None), as generate fills them in."""
+    from transformers import GenerationConfig
+    config = _transformers(folder).generation_config
+    defaults = GenerationConfig._get_default_generation_params()
+    return {key: defaults[key] if getattr(config, key) is None else getattr(config, key)
+            for key in ("do_sample", "temperature", "top_k", "top_p")}
+
+
+@pytest.mark.parametrize("fields, file", [
+    (dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95), "generation_config.json"),
+    (dict(do_sample=True, temperature=0.7, top_p=None), "generation_config.json"),  # null
+    (dict(temperature=0.7, top_k=0), "config.json"),       # 0: no top-k; no generation config
+    ({}, "generation_config.json"),                           # transformers' defaults
+], ids=["qwen3-like", "null-top-p", "in-config-json", "defaults"])
+def test_sampling_settings_are_read_as_transformers_reads_them(checkpoints, tmp_path, fields,
+                                                               file):
+    """generation_config.json's do_sample, temperature, top_k and top_p are kept on the model,
+    with transformers' defaults for what it leaves out; without the file, config.json's, as
+    transformers reads them. generate does not use them (yet): greedy unless asked."""
+    folder = _copy(checkpoints, "llama", tmp_path)
+    if file == "config.json":
+        (folder / "generation_config.json").unlink()
+        _edit_config(folder, **fields)
+    else:
+        (folder / file).write_text(json.dumps(fields))
+    config = load_pretrained(folder).generation_config
+    ours = {key: getattr(config, key) for key in ("do_sample", "temperature", "top_k", "top_p")}
+    theirs = _transformers_sampling(folder)
+    if theirs["top_k"] == 0:
+        theirs["top_k"] = None                          # the course's spelling of no top-k
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(temperature="hot"), "temperature must be a number >= 0, got 'hot'"),
+    (dict(do_sample="yes"), "do_sample must be True or False, got 'yes'"),
+    (dict(top_p=1.5), "top_p must be a number in (0, 1], got 1.5"),
+    (dict(top_k=-3), "top_k"),
+])
+def test_bad_sampling_settings_name_the_file(checkpoints, tmp_path, fields, message):
+    folder = _with_generation_config(checkpoints, "llama", tmp_path, **fields)
+    error = _load_error(folder)
+    assert error.startswith(f"{folder / 'generation_config.json'}: ") and message in error
+
+
 def left_padded(lengths, pad=0, seed=1):
     """Prompts of these lengths, padded on the left to the longest: ids (B, T), mask (B, T)."""
     rows = [prompts(batch=1, length=n, seed=seed + i)[0] for i, n in enumerate(lengths)]
