@@ -7,7 +7,17 @@
 Every step runs ONE forward for every running request: a newly admitted one feeds its prompt
 (the prefill), the others their last token (a decode step), all packed into one batch of tokens,
 each at its own position (Orca's iteration-level scheduling, Yu et al., 2022, §3). A request
-that finishes frees its blocks at once, and a waiting one joins at the next step. When a running
+that finishes frees its blocks at once, and a waiting one joins at the next step. Requests may
+arrive over time (``arrivals``: the step at which each joins the queue); each step is timed, and
+``request_latencies`` reads every request's time to first token and time per output token from
+the steps.
+
+Chunked prefill (Sarathi-Serve, Agrawal et al., 2024; vLLM's ``max_num_batched_tokens``): a step
+feeds at most ``max_num_batched_tokens`` tokens, the decode tokens first (one per running
+request, in admission order), then the prompts still being prefilled, then newcomers; a prompt
+that does not fit is fed in chunks over several steps, and ``long_prefill_token_threshold`` caps
+one request's chunk (vLLM's name), so a long prompt leaves room beside it for short ones. A
+request samples its first token in the step that feeds the last of its prompt. When a running
 request needs a block and none is free, the request admitted last is preempted: its blocks are
 freed and it waits again, with the tokens it generated, to be recomputed later (vLLM's
 recomputation, Kwon et al., 2023, §4.5). A request whose prompt starts like a running request's
@@ -29,8 +39,9 @@ The engine reads the model's own modules, so a ``GPT`` (``model.py``) and a chec
 len(cache) .. len(cache) + T - 1): a ragged batch needs a position per token.
 """
 
+import functools
+import math
 import numbers
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -39,10 +50,10 @@ from torch import Tensor
 from .arguments import check_non_negative_ints, check_positive_ints
 from .model import GenerationConfig, _next_token, _token_ids, check_sampling
 from .multihead import merge_heads
-from .paged import (BlockTable, PagedKVCache, PoolExhausted, block_tables_tensor,
-                    paged_attention)
+from .paged import BlockTable, PagedKVCache, PoolExhausted, block_tables_tensor, paged_attention
+from .timing import time_call_ms
 
-__all__ = ["Engine", "StepRecord"]
+__all__ = ["Engine", "Latency", "StepRecord", "request_latencies"]
 
 MODEL_PARTS = ("token_embedding", "position_embedding", "blocks", "final_norm", "lm_head", "config")
 BLOCK_PARTS = ("attn_norm", "attn", "mlp_norm", "mlp")
@@ -96,6 +107,7 @@ class _Request:
     table: BlockTable
     limit: int                  # new tokens to generate, at most
     generator: torch.Generator | None = None   # its draws, when sampling
+    arrival: int = 0            # the step at which it joins the queue
     new: int = 0                # tokens fed in the current step
     slots: Tensor | None = None   # (new,) their flat slots in the pool
 
@@ -103,22 +115,68 @@ class _Request:
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
+    @property
+    def unfed(self) -> int:
+        """Tokens not yet in the cache: 1 when decoding, more while its prompt is prefilled."""
+        return len(self.tokens) - len(self.table)
+
 
 @dataclass
 class StepRecord:
     """What one engine step did: the requests it ran (by index, admitted ones included), those
-    it admitted, finished and preempted, how many tokens it fed (prefill and decode together),
-    how many prompt tokens it did not feed thanks to a shared prefix, and the pool's state
-    after it (``cached_tokens``: held by the requests still running; ``blocks_used``)."""
+    that arrived in the queue, were admitted, sampled a token, finished and were
+    preempted, how many tokens it fed (prefill and decode together), how many prompt tokens it
+    did not feed thanks to a shared prefix, the pool's state after it (``cached_tokens``: held by
+    the requests still running; ``blocks_used``) and its time (``course_attn.timing``'s clock:
+    processor time on a CPU running one thread, wall time elsewhere). A step in which nothing
+    runs (the queue empty until a later arrival) runs no forward and takes 0 ms."""
 
     running: list[int]
+    arrived: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
     fed_tokens: int = 0
     shared_tokens: int = 0
     cached_tokens: int = 0
     blocks_used: int = 0
+    time_ms: float = 0.0
+
+
+@dataclass
+class Latency:
+    """One request's latencies: ``ttft`` the time to its first token, from the start of the step
+    it arrived in to the end of the step that sampled it; ``tpot`` the time per output token
+    after the first, (end of its last token's step - end of its first's) / (tokens - 1), None
+    for a request of one token. ``*_steps`` in engine steps, ``*_ms`` in milliseconds."""
+
+    ttft_steps: int
+    ttft_ms: float
+    tpot_steps: float | None
+    tpot_ms: float | None
+
+
+def request_latencies(steps: list[StepRecord]) -> dict[int, Latency]:
+    """Every request that sampled a token, read from an engine's ``steps`` -> {request: its
+    ``Latency``}."""
+    end_ms = [0.0]                                  # end_ms[t + 1]: when step t ended
+    for step in steps:
+        end_ms.append(end_ms[-1] + step.time_ms)
+    arrived, sampled = {}, {}
+    for t, step in enumerate(steps):
+        arrived.update((i, t) for i in step.arrived)
+        for i in step.sampled:
+            sampled.setdefault(i, []).append(t)
+    out = {}
+    for i, ts in sampled.items():
+        first, last, n = ts[0], ts[-1], len(ts)
+        out[i] = Latency(ttft_steps=first + 1 - arrived[i],
+                         ttft_ms=end_ms[first + 1] - end_ms[arrived[i]],
+                         tpot_steps=(last - first) / (n - 1) if n > 1 else None,
+                         tpot_ms=(end_ms[last + 1] - end_ms[first + 1]) / (n - 1) if n > 1
+                         else None)
+    return out
 
 
 class Engine:
@@ -128,10 +186,13 @@ class Engine:
     ``engine.generate(prompts, max_new_tokens, **options)`` -> the new tokens of each request,
     in request order: for each, the tokens ``generate(model, prompt, max_new_tokens, **options)``
     gives it alone (``model.py``; greedy by default, an end token included, no padding after
-    it). ``max_new_tokens`` may be one limit per request. ``max_batch`` caps the requests
-    running at once (None: as many as the blocks hold); ``share_prefixes`` turns prefix
-    sharing on or off. ``engine.steps`` records every step of the last call (a ``StepRecord``
-    each), ``engine.pool`` is the block pool.
+    it). ``max_new_tokens`` may be one limit per request, ``arrivals`` the step at which each
+    request joins the queue (default: all at step 0). ``max_batch`` caps the requests running
+    at once (None: as many as the blocks hold); ``share_prefixes`` turns prefix sharing on or
+    off; ``max_num_batched_tokens`` caps the tokens one step feeds (None: no cap) and
+    ``long_prefill_token_threshold`` one request's prefill chunk (None: the step's cap), which
+    turns on chunked prefill (module docstring). ``engine.steps`` records every step of the
+    last call (a ``StepRecord`` each, timed), ``engine.pool`` is the block pool.
 
     Equal in exact arithmetic: the engine computes each request's logits from the same numbers
     as ``generate``, but packed beside other requests, and batched kernels are not
@@ -145,29 +206,41 @@ class Engine:
     """
 
     def __init__(self, model, *, block_size: int, num_blocks: int, max_batch: int | None = None,
-                 share_prefixes: bool = True):
+                 share_prefixes: bool = True, max_num_batched_tokens: int | None = None,
+                 long_prefill_token_threshold: int | None = None):
         check_positive_ints(block_size=block_size, num_blocks=num_blocks)
-        if max_batch is not None:
-            check_positive_ints(max_batch=max_batch)
+        for name, n in (("max_batch", max_batch), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("long_prefill_token_threshold", long_prefill_token_threshold)):
+            if n is not None:
+                check_positive_ints(**{name: n})
         _check_model(model)
         attn = model.blocks[0].attn
         weight = attn.k_proj.weight
         self.model, self.max_batch, self.share_prefixes = model, max_batch, share_prefixes
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.device = weight.device
         self.pool = PagedKVCache(len(model.blocks), num_blocks, block_size, attn.n_kv_heads,
                                  attn.head_dim, dtype=weight.dtype, device=weight.device)
         self.steps: list[StepRecord] = []
 
-    def _check(self, prompts, max_new_tokens) -> tuple[list[list[int]], list[int]]:
-        """Every request's prompt as a list of ints and its limit of new tokens, its arguments
-        checked (ValueError naming them)."""
+    def _check(self, prompts, max_new_tokens, arrivals
+               ) -> tuple[list[list[int]], list[int], list[int]]:
+        """Every request's prompt as a list of ints, its limit of new tokens and its arrival
+        step, its arguments checked (ValueError naming them)."""
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a list of token lists, got {type(prompts).__name__}")
-        limits = ([max_new_tokens] * len(prompts) if not isinstance(max_new_tokens, (list, tuple))
-                  else list(max_new_tokens))
-        if len(limits) != len(prompts):
-            raise ValueError(f"max_new_tokens has {len(limits)} limits for {len(prompts)} prompts")
-        check_non_negative_ints(**{f"max_new_tokens[{i}]": n for i, n in enumerate(limits)})
+        per_request = {}
+        for name, what, given in (("max_new_tokens", "limits", max_new_tokens),
+                                  ("arrivals", "steps", 0 if arrivals is None else arrivals)):
+            per_request[name] = (list(given) if isinstance(given, (list, tuple))
+                                 else [given] * len(prompts))
+            if len(per_request[name]) != len(prompts):
+                raise ValueError(f"{name} has {len(per_request[name])} {what} for "
+                                 f"{len(prompts)} prompts")
+            check_non_negative_ints(**{f"{name}[{i}]": n
+                                       for i, n in enumerate(per_request[name])})
+        limits = per_request["max_new_tokens"]
         vocab, seq_len = self.model.config.vocab_size, self.model.config.seq_len
         bs, n = self.pool.block_size, self.pool.num_blocks
         prompts = [_token_list(prompt, i, vocab) for i, prompt in enumerate(prompts)]
@@ -182,10 +255,11 @@ class Engine:
                                  f"for {longest} positions (its {len(prompt)} tokens and "
                                  f"max_new_tokens={max_new} less the last, never fed), but the "
                                  f"pool has num_blocks={n}")
-        return prompts, limits
+        return prompts, limits, per_request["arrivals"]
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], *,
+                 arrivals: list[int] | None = None,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None,
                  generator: list[torch.Generator | None] | None = None,
@@ -193,6 +267,8 @@ class Engine:
         """Continue every prompt -> the new tokens of each request, in order: at most
         max_new_tokens of them (an int for all, or a list with one limit per request).
 
+        ``arrivals``: the engine step at which each request joins the queue (None: all at step
+        0); a step in which nothing runs waits for the next arrival (``StepRecord``).
         ``generate``'s options, with its meaning: greedy unless ``do_sample=True``, then drawn
         from softmax(logits / temperature) cut to ``top_k`` and ``top_p``. ``generator``: one
         ``torch.Generator`` (or None) per request, on the model's device; each request draws
@@ -202,44 +278,62 @@ class Engine:
         ``model.generation_config``'s): a request that emits one finishes with it, and its
         blocks are freed in that step.
         """
-        prompts, limits = self._check(prompts, max_new_tokens)
+        prompts, limits, arrivals = self._check(prompts, max_new_tokens, arrivals)
         generators = self._check_sampling(len(prompts), do_sample, temperature, top_k, top_p,
                                           generator)
         config = getattr(self.model, "generation_config", GenerationConfig())
         eos = set(config.eos_token_id if eos_token_id is None
                   else _token_ids(eos_token_id, "eos_token_id"))
-        sampling = do_sample and temperature != 0
+        sample = (do_sample and temperature != 0, temperature, top_k, top_p)
         self.steps = []
         done = {i: [] for i, n in enumerate(limits) if n == 0}
-        waiting = [_Request(i, list(p), len(p), self.pool.new_table(), limit=limits[i],
-                            generator=generators[i])
-                   for i, p in enumerate(prompts) if limits[i] > 0]
+        arriving = sorted((_Request(i, list(p), len(p), self.pool.new_table(), limit=limits[i],
+                                    generator=generators[i], arrival=arrivals[i])
+                           for i, p in enumerate(prompts) if limits[i] > 0),
+                          key=lambda r: r.arrival)
+        waiting: list[_Request] = []
         running: list[_Request] = []
-        while waiting or running:
+        while arriving or waiting or running:
             record = StepRecord(running=[])
-            self._reserve_decode_slots(running, waiting, record)
-            if not record.preempted or not running:
-                self._admit(running, waiting, record)
-            logits = self._forward(running)                                    # (B, V)
-            if sampling:      # row by row: each request draws from its own generator
-                next_tokens = [int(_next_token(logits[b:b + 1], True, temperature, top_k, top_p,
-                                               request.generator))
-                               for b, request in enumerate(running)]
-            else:
-                next_tokens = logits.argmax(dim=-1).tolist()
-            record.running = [r.index for r in running]
-            record.fed_tokens = sum(r.new for r in running)
-            for request, token in zip(list(running), next_tokens):
-                request.tokens.append(token)
-                if len(request.generated) == request.limit or token in eos:
-                    done[request.index] = request.generated
-                    request.table.free()
-                    running.remove(request)
-                    record.finished.append(request.index)
-            record.cached_tokens = sum(len(r.table) for r in running)
-            record.blocks_used = self.pool.num_used
+            while arriving and arriving[0].arrival <= len(self.steps):
+                waiting.append(arriving.pop(0))
+                record.arrived.append(waiting[-1].index)
+            if waiting or running:
+                record.time_ms = time_call_ms(
+                    functools.partial(self._step, running, waiting, record, sample, eos, done),
+                    self.device)
             self.steps.append(record)
         return [done[i] for i in range(len(prompts))]
+
+    def _step(self, running: list[_Request], waiting: list[_Request], record: StepRecord,
+              sample: tuple, eos: set[int], done: dict[int, list[int]]) -> None:
+        """One step: schedule (running requests first, then newcomers, within the token budget),
+        one forward, then each request that fed its last token samples its next."""
+        budget = (math.inf if self.max_num_batched_tokens is None
+                  else self.max_num_batched_tokens)
+        budget = self._schedule_running(running, waiting, record, budget)
+        if not record.preempted or not running:
+            self._admit(running, waiting, record, budget)
+        fed = [r for r in running if r.new]
+        record.running = [r.index for r in fed]
+        record.fed_tokens = sum(r.new for r in fed)
+        logits = self._forward(fed)                                            # (B, V)
+        sampling, temperature, top_k, top_p = sample
+        for b, request in enumerate(fed):
+            if request.unfed:                       # a prompt's chunk, more of it to come
+                continue
+            row = logits[b:b + 1]
+            token = (int(_next_token(row, True, temperature, top_k, top_p, request.generator))
+                     if sampling else int(row.argmax(dim=-1)))
+            request.tokens.append(token)
+            record.sampled.append(request.index)
+            if len(request.generated) == request.limit or token in eos:
+                done[request.index] = request.generated
+                request.table.free()
+                running.remove(request)
+                record.finished.append(request.index)
+        record.cached_tokens = sum(len(r.table) for r in running)
+        record.blocks_used = self.pool.num_used
 
     def _check_sampling(self, n: int, do_sample, temperature, top_k, top_p,
                         generator) -> list[torch.Generator | None]:
@@ -264,40 +358,59 @@ class Engine:
                        stacklevel=5)
         return list(generator)
 
-    def _reserve_decode_slots(self, running: list[_Request], waiting: list[_Request],
-                              record: StepRecord) -> None:
-        """A slot for each running request's last token; preempt the latest admitted when the
-        pool is short (the earliest admitted always goes on, so every request finishes)."""
-        for request in list(running):
+    def _chunk(self, request: _Request, budget: float) -> int:
+        """Tokens ``request`` feeds this step: what it has not fed, within the step's budget and
+        the cap on one prefill chunk (a decode step's one token is never capped)."""
+        n = min(request.unfed, budget)
+        if self.long_prefill_token_threshold is not None and n > 1:
+            n = min(n, self.long_prefill_token_threshold)
+        return int(n)
+
+    def _schedule_running(self, running: list[_Request], waiting: list[_Request],
+                          record: StepRecord, budget: float) -> float:
+        """Slots for the running requests, decodes first then the prompts being prefilled, in
+        admission order, within ``budget`` tokens -> the budget left. When the pool is short the
+        latest admitted is preempted (the earliest admitted always goes on, so every request
+        finishes)."""
+        for request in sorted(running, key=lambda r: r.unfed > 1):
+            request.new = 0
             if request not in running:              # preempted to make room for an earlier one
                 continue
-            while True:
+            n = self._chunk(request, budget)
+            while n:
                 try:
-                    request.slots = request.table.reserve(1)
-                    request.new = 1
+                    request.slots = request.table.reserve(n)
+                    request.new = n
+                    budget -= n
                     break
                 except PoolExhausted:
                     victim = running.pop()
                     victim.table.free()
+                    victim.new = 0
                     waiting.insert(0, victim)
                     record.preempted.append(victim.index)
                     if victim is request:
                         break
+        return budget
 
-    def _admit(self, running: list[_Request], waiting: list[_Request],
-               record: StepRecord) -> None:
-        """Admit waiting requests, in order, while the pool holds their tokens: every token not
-        shared with a running request is fed (a preempted request's prompt and the tokens it
-        generated, all recomputed)."""
-        while waiting and (self.max_batch is None or len(running) < self.max_batch):
+    def _admit(self, running: list[_Request], waiting: list[_Request], record: StepRecord,
+               budget: float) -> None:
+        """Admit waiting requests, in order, while the pool holds their tokens and the step's
+        budget lasts: every token not shared with a running request is fed, in chunks when the
+        budget says so (a preempted request's prompt and the tokens it generated, all
+        recomputed)."""
+        while (waiting and budget >= 1
+               and (self.max_batch is None or len(running) < self.max_batch)):
             request = waiting[0]
             shared = self._share_prefix(request, running)
+            n = self._chunk(request, budget)
             try:
-                request.slots = request.table.reserve(len(request.tokens) - shared)
+                request.slots = request.table.reserve(n)
             except PoolExhausted:
                 request.table.free()
                 return
-            request.new = len(request.tokens) - shared
+            request.new = n
+            budget -= n
             running.append(waiting.pop(0))
             record.admitted.append(request.index)
             record.shared_tokens += shared

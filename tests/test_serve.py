@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from course_attn.model import GenerationConfig, generate
-from course_attn.serve import Engine
+from course_attn.serve import Engine, Latency, StepRecord, request_latencies
 from helpers import gpt
 
 MARGIN = 1e-4
@@ -394,3 +394,111 @@ def test_sampling_options_without_do_sample_warn_and_stay_greedy():
         out = engine.generate(prompts, 4, top_k=2, generator=generators([0, 1]))
     assert caught[0].filename == __file__                        # points at the caller
     assert out == reference(model, prompts, 4)
+
+
+# ---------------------------------------------------------------- arrivals and chunked prefill
+
+@given(name=st.sampled_from(["GQA 4:2, RoPE", "MHA, learned positions"]),
+       picks=st.lists(st.tuples(st.integers(0, len(POOL_PROMPTS) - 1),
+                                st.integers(1, LONGEST_OUTPUT), st.integers(0, 12)),
+                      min_size=1, max_size=8),
+       block_size=st.sampled_from([1, 2, 4]), spare_blocks=st.integers(0, 20),
+       budget=st.one_of(st.none(), st.integers(1, 12)),
+       threshold=st.one_of(st.none(), st.integers(1, 6)),
+       max_batch=st.one_of(st.none(), st.integers(1, 4)), share=st.booleans())
+def test_requests_arriving_over_time_with_chunked_prefill_get_the_greedy_tokens(
+        name, picks, block_size, spare_blocks, budget, threshold, max_batch, share):
+    """Requests from a pool of prompts, each arriving at its own step, served with a token
+    budget per step (chunked prefill) or none, on pools that preempt or not."""
+    prompts = [POOL_PROMPTS[i] for i, _, _ in picks]
+    limits = [n for _, n, _ in picks]
+    arrivals = [a for _, _, a in picks]
+    smallest = max(-(-(len(p) + n - 1) // block_size) for p, n in zip(prompts, limits))
+    engine = Engine(model_of(name), block_size=block_size, num_blocks=smallest + spare_blocks,
+                    max_batch=max_batch, share_prefixes=share, max_num_batched_tokens=budget,
+                    long_prefill_token_threshold=threshold)
+    out = engine.generate(prompts, limits, arrivals=arrivals)
+    assert out == [pool_reference(name)[i][:n] for i, n, _ in picks]
+    arrived = {i: t for t, step in enumerate(engine.steps) for i in step.arrived}
+    admitted = {i: t for t, step in enumerate(engine.steps) for i in reversed(step.admitted)}
+    assert arrived == dict(enumerate(arrivals))
+    assert all(admitted[i] >= arrivals[i] for i in admitted)
+    if budget is not None:
+        assert max(step.fed_tokens for step in engine.steps) <= budget
+    assert held_blocks_at_end(engine) == (0, 0)
+
+
+def test_a_long_prompt_is_fed_in_chunks_beside_the_decode_tokens():
+    model = model_of("GQA 4:2, RoPE")
+    short, long = [3, 1, 4], [5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4]
+    engine = Engine(model, block_size=4, num_blocks=32, max_num_batched_tokens=6,
+                    long_prefill_token_threshold=4)
+    prompts = [short, long, [2, 7, 1]]
+    out = engine.generate(prompts, [12, 3, 2], arrivals=[0, 2, 3])
+    assert out == reference(model, prompts, [12, 3, 2])
+    fed = [step.fed_tokens for step in engine.steps]
+    # step 0: the first short prompt; 1: its decode; from 2 its decode first, then the long
+    # prompt's 20 tokens in chunks of 4 (the threshold), then the second short prompt, which
+    # arrives at step 3 and gets what is left of the budget of 6: one token a step
+    assert fed[:7] == [3, 1, 1 + 4, 1 + 4 + 1, 1 + 4 + 1, 1 + 1 + 4, 1 + 1 + 4]
+    assert all(0 in step.running for step in engine.steps[:12])   # a decode every step
+    first = {i: t for t, step in reversed(list(enumerate(engine.steps))) for i in step.sampled}
+    assert first == {0: 0, 1: 6, 2: 5}
+
+
+def test_without_a_budget_the_long_prompt_runs_in_one_step():
+    model = model_of("GQA 4:2, RoPE")
+    prompts = [[3, 1, 4], list(range(12)) * 2]
+    engine = Engine(model, block_size=4, num_blocks=32)
+    assert engine.generate(prompts, [6, 2], arrivals=[0, 2]) == reference(model, prompts, [6, 2])
+    assert [step.fed_tokens for step in engine.steps[:4]] == [3, 1, 1 + 24, 2]
+
+
+def test_a_step_with_nothing_to_run_waits_for_the_next_arrival():
+    model = model_of("MHA, learned positions")
+    engine = Engine(model, block_size=4, num_blocks=8)
+    assert engine.generate([[1, 2], [3]], [2, 1], arrivals=[4, 1]) == reference(
+        model, [[1, 2], [3]], [2, 1])
+    assert [step.running for step in engine.steps] == [[], [1], [], [], [0], [0]]
+    assert [step.arrived for step in engine.steps] == [[], [1], [], [], [0], []]
+    assert all(step.time_ms == 0 for t, step in enumerate(engine.steps) if t in (0, 2, 3))
+    assert all(step.time_ms > 0 for t, step in enumerate(engine.steps) if t in (1, 4, 5))
+
+
+def test_latencies_are_read_from_the_steps():
+    steps = [StepRecord(running=[], arrived=[0], time_ms=0.0),
+             StepRecord(running=[0], arrived=[1], sampled=[], time_ms=10.0),     # a chunk
+             StepRecord(running=[0, 1], sampled=[0, 1], time_ms=20.0),
+             StepRecord(running=[0, 1], sampled=[0], time_ms=5.0),
+             StepRecord(running=[0], sampled=[0], finished=[0], time_ms=1.0)]
+    steps[1].sampled = []
+    lat = request_latencies(steps)
+    assert lat[0] == Latency(ttft_steps=3, ttft_ms=30.0, tpot_steps=1.0, tpot_ms=3.0)
+    assert lat[1] == Latency(ttft_steps=2, ttft_ms=30.0, tpot_steps=None, tpot_ms=None)
+
+
+def test_the_engines_latencies_count_every_token_once_even_when_preempted():
+    model = model_of("MQA 4:1", seed=1)
+    prompts = prompts_of(seed=7)
+    engine = Engine(model, block_size=2, num_blocks=9, share_prefixes=False)
+    out = engine.generate(prompts, 8, arrivals=list(range(len(prompts))))
+    assert sum(len(step.preempted) for step in engine.steps) > 0
+    sampled = [i for step in engine.steps for i in step.sampled]
+    assert [sampled.count(i) for i in range(len(prompts))] == [len(o) for o in out]
+    lat = request_latencies(engine.steps)
+    assert all(lat[i].ttft_steps >= 1 and lat[i].tpot_steps >= 1 for i in lat)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(arrivals=[0]), "arrivals has 1 steps for 2 prompts"),
+    (dict(arrivals=[0, -1]), r"arrivals\[1\] must be"),
+])
+def test_bad_arrivals_are_refused_by_name(options, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(model_of("MQA 4:1"), block_size=4, num_blocks=8).generate([[1], [2]], 2, **options)
+
+
+@pytest.mark.parametrize("option", ["max_num_batched_tokens", "long_prefill_token_threshold"])
+def test_a_budget_below_one_token_is_refused(option):
+    with pytest.raises(ValueError, match=option):
+        Engine(model_of("MQA 4:1"), block_size=4, num_blocks=8, **{option: 0})
