@@ -17,7 +17,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import course_attn
 from course_attn.decode_bench import decode_model
 from course_attn.grading import get, run_exercise
-from course_attn.grading.ch08 import DECODE_MODEL_SIZES, GPT2_SMALL_SIZES, _macs, rope_tables
+from course_attn.grading.ch08 import (DECODE_MODEL_SIZES, GPT2_SMALL_SIZES, ONE_PROMPT_SIZES,
+                                      rope_tables)
 from course_attn.grading.check import grade_here
 from course_attn.grading.exercise import hidden_cases
 from course_attn.model import GPT, GPTConfig
@@ -76,14 +77,23 @@ def decode_step(q_new, k_new, v_new, k_past, v_past, cos, sin, *, offset=True,
     return torch.softmax(scores, dim=-1) @ v
 
 
-def decode_savings(L, C, V, T, P, N):
-    per_token = L * 12 * C * C + C * V
+def decode_savings(L, C, V, H, G, prompts, N, *, kv_width=None, attention_heads=None,
+                   padded=True, batch=None, own_key=True, steps=None):
+    """The solution; the keywords make it one typical mistake or another."""
+    d = C // H
+    per_token = L * (2 * C * C + 2 * C * (kv_width or G * d) + 8 * C * C) + C * V
 
     def forward(tq, tk):
-        return tq * per_token + L * 2 * tq * tk * C
-    return {"step_no_cache": forward(T, T), "step_cache": forward(1, T),
-            "generate_no_cache": sum(forward(t, t) for t in range(P, P + N)),
-            "generate_cache": forward(P, P) + sum(forward(1, t) for t in range(P + 1, P + N))}
+        return tq * per_token + L * 2 * tq * tk * d * (attention_heads or H)
+    b, longest = len(prompts), max(prompts)
+    rows = [longest] * b if padded else prompts
+    first = [longest + own_key] * (batch or b) if padded else [p + own_key for p in prompts]
+    n_steps = N - 1 if steps is None else steps
+    return {"prefill_padded": sum(forward(p, p) for p in rows),
+            "prefill_ragged": sum(forward(p, p) for p in prompts),
+            "step": sum(forward(1, t) for t in first),
+            "generate": sum(forward(p, p) + sum(forward(1, t) for t in range(p + 1, p + 1 + n_steps))
+                            for p in rows)}
 
 
 @pytest.mark.parametrize("key, fn", [(FILL, fill_cache), (STEP, decode_step),
@@ -246,51 +256,52 @@ def test_decode_step_may_not_call_a_library_attention():
 
 # --- decode_savings ------------------------------------------------------------------------------
 
-def test_the_counts_are_what_flop_counter_mode_counts():
-    """The formula behind the reference, checked on a small GPT with FlopCounterMode (2 FLOPs
-    per multiply-add) for an uncached and a cached step."""
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=37, seq_len=64, d_model=32, n_heads=4, n_layers=3,
-                       position="rope")
-    model = GPT(config).eval()
-    idx = torch.randint(37, (1, 20))
-    args = dict(L=3, C=32, V=37)
+def _measured(model, prompts, n_new):
+    """Multiply-adds of the package's GPT (FlopCounterMode, 2 FLOPs each) for the four answers:
+    the padded batch's prefill, each prompt's own, the first step of the padded batch, the
+    whole generation of the padded batch (prefill, then n_new - 1 steps); None for the
+    generation if ``n_new`` is None. On the meta device nothing is computed."""
+    def macs(*calls):
+        with FlopCounterMode(display=False) as flops:
+            for call in calls:
+                call()
+        return flops.get_total_flops() // 2
+    b, longest = len(prompts), max(prompts)
+    batch = torch.zeros(b, longest, dtype=torch.long)
     with torch.no_grad():
-        with FlopCounterMode(display=False) as flops:
-            model(idx)
-        assert flops.get_total_flops() == 2 * _macs(20, 20, **args)
-        caches = model.new_caches(1, 21)
-        model(idx, caches=caches)
-        with FlopCounterMode(display=False) as flops:
-            model(idx[:, :1], caches=caches)
-        assert flops.get_total_flops() == 2 * _macs(1, 21, **args)
+        counts = {"prefill_padded": macs(lambda: model(batch)),
+                  "prefill_ragged": macs(*(lambda p=p: model(batch[:1, :p]) for p in prompts))}
+        caches = model.new_caches(b, longest + (n_new or 1))
+        model(batch, caches=caches)
+        counts["step"] = macs(lambda: model(batch[:, :1], caches=caches))
+        if n_new is not None:
+            caches = model.new_caches(b, longest + n_new)
+            counts["generate"] = macs(lambda: model(batch, caches=caches), *(
+                lambda: model(batch[:, :1], caches=caches) for _ in range(n_new - 1)))
+    return counts
+
+
+def test_the_counts_are_what_flop_counter_mode_counts():
+    """The reference, checked on a small GPT with grouped heads (4 query heads, 2 key-value
+    heads) and a batch of three prompts: every answer is what FlopCounterMode counts."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=37, seq_len=64, d_model=32, n_heads=4, n_kv_heads=2,
+                       n_layers=3, position="rope")
+    model = GPT(config).eval()
+    sizes = dict(L=3, C=32, V=37, H=4, G=2, prompts=[7, 12, 3], N=5)
+    assert get(SAVINGS).reference(**sizes) == _measured(model, sizes["prompts"], sizes["N"])
 
 
 def test_the_public_sizes_are_gpt2_small_and_the_chapters_decode_model():
-    assert GPT2_SMALL_SIZES == dict(L=12, C=768, V=50257, T=1024, P=512, N=256)
-    assert GPT2_SMALL_SIZES["P"] + GPT2_SMALL_SIZES["N"] <= 1024        # within GPT-2's context
+    assert GPT2_SMALL_SIZES == dict(L=12, C=768, V=50257, H=12, G=12, prompts=[512, 200, 64],
+                                    N=256)
+    assert max(GPT2_SMALL_SIZES["prompts"]) + GPT2_SMALL_SIZES["N"] <= 1024  # GPT-2's context
     config = decode_model().config
-    assert (config.n_layers, config.d_model, config.vocab_size) == \
-        tuple(DECODE_MODEL_SIZES[k] for k in "LCV")
+    assert (config.n_layers, config.d_model, config.vocab_size, config.n_heads) == \
+        tuple(DECODE_MODEL_SIZES[k] for k in "LCVH")
     cases = get(SAVINGS).public_cases()
-    assert [dict(c.kwargs) for c in cases[::4]] == [GPT2_SMALL_SIZES, DECODE_MODEL_SIZES]
-
-
-def _step_flops(L, C, V, T):
-    """Multiply-adds of the uncached step over T tokens and of the cached step of one token
-    against T keys, counted by FlopCounterMode on the package's GPT of these sizes, built on
-    the meta device (nothing is allocated or computed)."""
-    with torch.device("meta"), torch.no_grad():
-        model = GPT(GPTConfig(vocab_size=V, seq_len=T, d_model=C, n_heads=C // 64,
-                              n_layers=L)).eval()
-        idx = torch.zeros(1, T, dtype=torch.long)
-        with FlopCounterMode(display=False) as uncached:
-            model(idx)
-        caches = model.new_caches(1, T)
-        model(idx[:, :T - 1], caches=caches)
-        with FlopCounterMode(display=False) as cached:
-            model(idx[:, T - 1:], caches=caches)
-    return uncached.get_total_flops() // 2, cached.get_total_flops() // 2
+    assert [dict(c.kwargs) for c in cases[::4]] == [GPT2_SMALL_SIZES, DECODE_MODEL_SIZES,
+                                                    ONE_PROMPT_SIZES]
 
 
 def _sum_of(first, last, power):
@@ -301,81 +312,71 @@ def _sum_of(first, last, power):
 
 
 def test_the_reference_on_hidden_sizes_is_what_the_model_counts():
-    """On the hidden sizes of several seeds (every regime): the steps are what FlopCounterMode
-    counts on the package's GPT of those sizes; the generations are the closed forms of the
-    sums, a · Σt + 2LC · Σt² without the cache, M(P, P) + (N - 1) · a + 2LC · Σt with it."""
+    """On the hidden sizes of several seeds (every regime): the prefills and the step are what
+    FlopCounterMode counts on the package's GPT of those sizes (on the meta device); the
+    generation is the closed form of its sum, B · (M(P, P) + (N - 1) · a + 2LC · Σt)."""
     exercise = get(SAVINGS)
-    for seed in range(3):
+    for seed in range(2):
         sizes = {repr(dict(c.kwargs)): dict(c.kwargs) for c in hidden_cases(SAVINGS, seed)}
-        assert len(sizes) == 3 and sorted(s["N"] == 1 for s in sizes.values()) == \
-            [False, False, True]
+        assert len(sizes) == 3
         for s in sizes.values():
-            L, C, V, T, P, N = (s[k] for k in "LCVTPN")
+            L, C, V, H, G, prompts, N = (s[k] for k in ("L", "C", "V", "H", "G", "prompts", "N"))
             answers = exercise.reference(**s)
-            assert (answers["step_no_cache"], answers["step_cache"]) == _step_flops(L, C, V, T)
-            a, attention = L * 12 * C * C + C * V, 2 * L * C
-            prefill = P * a + attention * P * P
-            assert answers["generate_no_cache"] == \
-                a * _sum_of(P, P + N - 1, 1) + attention * _sum_of(P, P + N - 1, 2)
-            assert answers["generate_cache"] == \
-                prefill + (N - 1) * a + attention * _sum_of(P + 1, P + N - 1, 1)
+            with torch.device("meta"):
+                model = GPT(GPTConfig(vocab_size=V, seq_len=max(prompts) + N, d_model=C,
+                                      n_heads=H, n_kv_heads=G, n_layers=L)).eval()
+                measured = _measured(model, prompts, None)
+            assert {k: answers[k] for k in measured} == measured, s
+            a = L * (2 * C * C + 2 * C * G * (C // H) + 8 * C * C) + C * V
+            attention, p = 2 * L * C, max(prompts)
+            assert answers["generate"] == len(prompts) * (
+                p * a + attention * p * p + (N - 1) * a + attention * _sum_of(p + 1, p + N - 1, 1))
 
 
-def test_the_hidden_sizes_cover_both_sides_of_the_crossover():
-    """T* = 6C + V / (2L): below it a step's products and LM head outweigh its attention."""
-    for seed in range(20):
-        sizes = {repr(dict(c.kwargs)): dict(c.kwargs) for c in hidden_cases(SAVINGS, seed)}
-        sides = sorted(s["T"] > 6 * s["C"] + s["V"] / (2 * s["L"])
-                       for s in sizes.values() if s["N"] > 1)
-        assert sides == [False, True], seed
-        assert all(s["N"] <= 2000 for s in sizes.values())     # the sums stay short
+SAVINGS_MISTAKES = {  # keywords of the solution that make the mistake, the part that shows it
+    "keys and values as wide as the queries": (dict(kv_width=...), "map C to C"),
+    "the attention of G heads": (dict(attention_heads=...), "shrank the attention"),
+    "no padding": (dict(padded=False), "its own length: a padded batch"),
+    "one sequence per step": (dict(batch=1), "counts one sequence"),
+    "the step without its own key": (dict(own_key=False), "its own key"),
+    "N decode steps": (dict(steps=...), "N decode steps"),
+}
 
 
-def test_decode_savings_mistakes():
-    a, b, c, d = (case.name for case in get(SAVINGS).public_cases()[:4])
-    sizes = GPT2_SMALL_SIZES
+@pytest.mark.parametrize("name", SAVINGS_MISTAKES)
+def test_decode_savings_mistakes_are_named(name):
+    """Each typical mistake, written as a student would, fails a public case with its hint."""
+    wrong, hint = SAVINGS_MISTAKES[name]
 
-    def answering(**wrong):
-        return lambda **s: {**decode_savings(**s), **wrong}
-    right = decode_savings(**sizes)
+    def answer(L, C, V, H, G, prompts, N):
+        keywords = {k: v if v is not ... else {"kv_width": C, "attention_heads": G,
+                                               "steps": N}[k] for k, v in wrong.items()}
+        return decode_savings(L, C, V, H, G, prompts, N, **keywords)
+    judgement = run_exercise(get(SAVINGS), answer)
+    judgement.settle_hints()
+    named = [r for r in judgement.results if not r.passed and r.named]
+    assert named and all(hint in r.hint for r in named), [(r.name, r.hint) for r in
+                                                          judgement.results if not r.passed]
+
+
+def test_decode_savings_flops_and_the_chapters_count_of_one_sequence_fail():
+    a = get(SAVINGS).public_cases()[0].name
     assert_fails(SAVINGS, lambda **s: {k: 2 * v for k, v in decode_savings(**s).items()}, a,
                  hint="2 FLOPs per multiply-add", message="too large")
-    L, C, V, T = 12, 768, 50257, 1024
 
-    def counting(per_token, products=2):
-        def count(L, C, V, T, P, N):
-            def forward(tq, tk):
-                return tq * per_token(L, C, V) + L * products * tq * tk * C
-            return {"step_no_cache": forward(T, T), "step_cache": forward(1, T),
-                    "generate_no_cache": sum(forward(t, t) for t in range(P, P + N)),
-                    "generate_cache": forward(P, P) + sum(forward(1, t)
-                                                          for t in range(P + 1, P + N))}
-        return count
-    assert_fails(SAVINGS, counting(lambda L, C, V: L * 12 * C * C), a,
-                 hint="the (C, V) output matrix", message="too small")
-    assert_fails(SAVINGS, counting(lambda L, C, V: L * 4 * C * C + C * V), b,
-                 hint="left out the MLP", message="too small")
-    assert_fails(SAVINGS, counting(lambda L, C, V: L * 12 * C * C + C * V, products=1), c,
-                 hint="only the scores", message="too small")
-    assert_fails(SAVINGS, answering(step_cache=L * 2 * T * C), b, hint="only its attention")
-    P, N = 512, 256
-
-    def forward(tq, tk):
-        return tq * (L * 12 * C * C + C * V) + L * 2 * tq * tk * C
-    assert_fails(SAVINGS, answering(generate_no_cache=sum(forward(t, t)
-                                                          for t in range(P + 1, P + N + 1))),
-                 c, hint="off by one", message="too large")
-    assert_fails(SAVINGS, answering(generate_cache=sum(forward(1, t)
-                                                       for t in range(P + 1, P + N))),
-                 d, hint="left out the prefill", message="too small")
-    assert_fails(SAVINGS, answering(generate_cache=forward(P, P) + sum(
-        forward(1, t) for t in range(P + 1, P + N + 1))), d, hint="N - 1 steps follow")
-    assert_fails(SAVINGS, lambda **s: [1, 2, 3, 4], a, message="should return a dict")
-    assert right == get(SAVINGS).reference(**sizes)
+    def one_sequence(L, C, V, H, G, prompts, N):
+        """The chapter's counts for the longest prompt alone, keys and values C wide."""
+        answers = decode_savings(L, C, V, H, H, [max(prompts)], N)
+        return {**answers, "prefill_ragged": answers["prefill_padded"]}
+    judgement = grade_here(get(SAVINGS), one_sequence, 0)
+    assert judgement.credit() == 0, judgement.reason()
+    assert run_exercise(get(SAVINGS), lambda **s: [1, 2, 3, 4]).results[0].message == \
+        "your function should return a dict with the keys ['prefill_padded', " \
+        "'prefill_ragged', 'step', 'generate'], got list"
 
 
 def test_decode_savings_never_shows_the_right_answer_or_a_factor():
-    for answer in (12345, 10 ** 18):
+    for answer in (12345, 10 ** 30):
         for result in run_exercise(get(SAVINGS), lambda **s: {k: answer for k in
                                                               decode_savings(**s)}).results:
             assert not result.passed
@@ -410,41 +411,17 @@ def test_decode_savings_may_not_call_the_package():
 
 
 def test_decode_savings_counted_with_the_packages_model_is_refused_by_name():
-    """The issue: a decode_savings that counts with FlopCounterMode on course_attn's GPT failed
-    in the grader only on the time limit (GPT-2 small's sizes take minutes on a CPU). On sizes
-    that run at once, the guard names the package's model as the refused call (the first hit
-    comes before any tensor is made; a timeout in the grader is the grader's to explain)."""
-    def counted(L, C, V, T, P, N):
-        gpt = GPT(GPTConfig(vocab_size=V, seq_len=max(T, P + N) + 1, d_model=C, n_heads=1,
-                            n_layers=L, position="rope"))
-        idx = torch.zeros(1, T + 1, dtype=torch.long)
-        out = {}
-        with torch.no_grad():
-            with FlopCounterMode(display=False) as flops:
-                gpt(idx[:, :T])
-            out["step_no_cache"] = flops.get_total_flops() // 2
-            caches = gpt.new_caches(1, T + 1)
-            gpt(idx[:, :T - 1], caches=caches)
-            with FlopCounterMode(display=False) as flops:
-                gpt(idx[:, T - 1:T], caches=caches)
-            out["step_cache"] = flops.get_total_flops() // 2
-            # a generation's full forward passes (the exercise counts every token's LM head,
-            # which the package's generate skips for all but the last position)
-            with FlopCounterMode(display=False) as flops:
-                for t in range(P, P + N):
-                    gpt(idx[:, :t])
-            out["generate_no_cache"] = flops.get_total_flops() // 2
-            caches = gpt.new_caches(1, P + N)
-            with FlopCounterMode(display=False) as flops:
-                gpt(idx[:, :P], caches=caches)
-                for t in range(P + 1, P + N):
-                    gpt(idx[:, t - 1:t], caches=caches)
-            out["generate_cache"] = flops.get_total_flops() // 2
-        return out
+    """A decode_savings that counts with FlopCounterMode on course_attn's GPT: on sizes that
+    run at once, the guard names the package's model as the refused call (the first hit comes
+    before any tensor is made; a timeout in the grader is the grader's to explain)."""
+    def counted(L, C, V, H, G, prompts, N):
+        gpt = GPT(GPTConfig(vocab_size=V, seq_len=max(prompts) + N, d_model=C, n_heads=H,
+                            n_kv_heads=G, n_layers=L, position="rope")).eval()
+        return _measured(gpt, prompts, N)
     # under the guard every Python call is watched (an arithmetic exercise), which makes the
     # model slow: the smallest sizes do
     from course_attn.grading.ch08 import SAVINGS as questions
-    small = list(questions.cases(dict(L=1, C=8, V=8, T=3, P=2, N=2)))
+    small = list(questions.cases(dict(L=1, C=8, V=8, H=2, G=1, prompts=[2, 1], N=2)))
     judgement = run_exercise(get(SAVINGS), counted, small)
     assert all(r.passed for r in judgement.results)      # the counts are right ...
     assert judgement.banned[0] == "course_attn.model.GPTConfig.__post_init__", judgement.banned

@@ -8,10 +8,11 @@
                           -> (B, H, T_new, Dv): rotate the new queries and keys at positions
                           L .. L + T_new - 1 (L = the cached length), append the new keys and
                           values to the cached ones, attend with the bottom-right causal mask
-    ch08.decode_savings   decode_savings(L, C, V, T, P, N) -> dict: multiply-adds of one step and
-                          of a whole generation, with and without the cache, for a GPT of L
-                          layers, width C and vocabulary V (derive: compared with the formulas,
-                          on public and hidden sizes)
+    ch08.decode_savings   decode_savings(L, C, V, H, G, prompts, N) -> dict: multiply-adds of a
+                          batch of prompts of different lengths, padded and not, prefilled,
+                          one decode step and a whole generation with the cache, for a GPT of
+                          L layers, width C, vocabulary V, H query and G key-value heads
+                          (derive: compared with the formulas, on public and hidden sizes)
     ch08.greedy_decode    greedy_decode(params, prompt, n_new) -> (n_new, V) logits: repair a
                           given greedy loop with a cache whose decode steps rotate their token at
                           position 0 (debug: graded on the logits, on hidden models and prompts)
@@ -21,7 +22,8 @@
                           it needs nothing of the student's greedy_decode)
 
 References: ``course_attn.KVCache``; ``course_attn.apply_rotary_emb`` and
-``course_attn.scaled_dot_product_attention``; the counts from M(Tq, Tk) = Tq·a + L·2·Tq·Tk·C.
+``course_attn.scaled_dot_product_attention``; the counts from M(Tq, Tk) = Tq·a + L·2·Tq·Tk·C,
+with k and v of width G·C/H in a.
 """
 
 import math
@@ -271,75 +273,96 @@ register(Exercise(
 ))
 
 
-# --- ch08.decode_savings: count the work with and without a cache, for any sizes ---------------
+# --- ch08.decode_savings: the work of a batch of prompts with a cache and grouped heads ---------
+#
+# The chapter counts one sequence of a plain GPT. The exercise asks for what it does not show:
+# a batch of B prompts of different lengths, left-padded to the longest (P_max) as a batched
+# generation holds them, through a model whose attention has G key-value heads for its H query
+# heads (grouped-query attention, chapter 7). What changes: the padded batch computes every row
+# at P_max (the pad positions too, masked), the ragged one each prompt at its own length; with
+# G < H the key and value projections map C to G·D (D = C / H), while every query head still
+# compares its query with every key.
 
-# The public sizes. GPT-2 small (Radford et al. 2019, the released configuration): 12 layers,
-# width 768, a vocabulary of 50257 tokens, an MLP of width 4 · 768, with a long prompt and a
-# shorter answer; and the chapter's decode model (GPTConfig's defaults: 2 layers, width 64, a
-# vocabulary of 64) with the chapter's T = 40, P = 16, N = 48, more new tokens than the prompt.
-# These are inputs, not measurements.
-GPT2_SMALL_SIZES = dict(L=12, C=768, V=50257, T=1024, P=512, N=256)
-DECODE_MODEL_SIZES = dict(L=2, C=64, V=64, T=40, P=16, N=48)
-SAVING_SIZES = (GPT2_SMALL_SIZES, DECODE_MODEL_SIZES)
+# The public sizes (inputs, not measurements). GPT-2 small (Radford et al. 2019, the released
+# configuration: 12 layers, width 768, 12 heads, a vocabulary of 50257) with a batch of three
+# prompts; the chapter's decode model (GPTConfig's defaults: 2 layers, width 64, 4 heads, a
+# vocabulary of 64) with 2 key-value heads and two prompts; the same with one key-value head
+# (multi-query), one prompt and one new token.
+GPT2_SMALL_SIZES = dict(L=12, C=768, V=50257, H=12, G=12, prompts=[512, 200, 64], N=256)
+DECODE_MODEL_SIZES = dict(L=2, C=64, V=64, H=4, G=2, prompts=[16, 9], N=48)
+ONE_PROMPT_SIZES = dict(L=2, C=64, V=64, H=4, G=1, prompts=[12], N=1)
+SAVING_SIZES = (GPT2_SMALL_SIZES, DECODE_MODEL_SIZES, ONE_PROMPT_SIZES)
 
 SAVING_QUESTIONS = {
-    "step_no_cache": (
-        "(a) the step that predicts token T + 1, without the cache",
-        "without the cache the step runs all T tokens: every token costs its projections, MLP "
-        "and LM head, and each layer's attention compares T queries with T keys, twice"),
-    "step_cache": (
-        "(b) the same step with the cache",
-        "with the cache one new token goes through the model, and its query meets T keys"),
-    "generate_no_cache": (
-        "(c) a whole generation of N tokens after P, without the cache",
-        "add up one full forward pass per new token: count the tokens the first and the last "
-        "pass see"),
-    "generate_cache": (
-        "(d) the same generation with the cache",
-        "a prefill of the prompt gives the first new token; then single-token steps, each "
-        "against one key more than the one before"),
+    "prefill_padded": (
+        "(a) the prefill of the batch, padded",
+        "a padded batch computes every row at the longest prompt's length, pad positions "
+        "included"),
+    "prefill_ragged": (
+        "(b) the same prefill, each prompt on its own",
+        "each prompt goes through the model at its own length"),
+    "step": (
+        "(c) the first decode step of the padded batch",
+        "every sequence of the batch feeds one token, whose query meets the keys of the "
+        "padded cache and its own"),
+    "generate": (
+        "(d) the whole generation of the padded batch, with the cache",
+        "the padded prefill gives every sequence its first new token; single-token steps of "
+        "the batch follow, each against one key more than the one before"),
 }
 
 
-def _macs(tq, tk, L, C, V, mlp=True, head=True, products=2):
-    per_token = L * (4 + (8 if mlp else 0)) * C * C + (C * V if head else 0)
-    return tq * per_token + L * products * tq * tk * C
+def _macs(tq, tk, L, C, V, H, G, *, mlp=True, head=True, products=2, full_kv=False,
+          grouped_attention=False):
+    """Multiply-adds of one sequence's pass of tq tokens against tk keys: the projections (q
+    and o (C, C), k and v (C, G·C/H), or (C, C) with ``full_kv``), the MLP, the LM head, and
+    the attention of the H query heads (of G heads with ``grouped_attention``)."""
+    kv = C if full_kv else G * (C // H)
+    per_token = L * (2 * C * C + 2 * C * kv + (8 * C * C if mlp else 0)) + (C * V if head else 0)
+    heads = G if grouped_attention else H
+    return tq * per_token + L * products * tq * tk * (C // H) * heads
 
 
-def _savings(L, C, V, T, P, N, *, uncached=None, cached=None, **rule):
-    """The four counts, with M(tq, tk) = ``_macs`` under ``rule``; ``uncached(P, N)`` the lengths
-    of the uncached passes (else P .. P + N - 1), ``cached(m, P, N)`` the cached generation's
-    count (else the prefill and N - 1 single-token steps). Sums of at most N terms of
-    arithmetic: fast for any N the grader draws."""
+def _savings(L, C, V, H, G, prompts, N, *, padded=True, ragged_at=None, batch=None,
+             step_keys=1, extra_steps=0, prefill=True, **rule):
+    """The four counts, with M(tq, tk) = ``_macs`` under ``rule``. ``padded=False`` counts
+    each sequence at its own length everywhere (no padding); ``ragged_at`` the length each
+    prompt of (b) is counted at (else its own); ``batch`` the sequences a step counts (else
+    B); ``step_keys`` the keys of the first step beyond P_max; ``extra_steps`` the decode
+    steps of (d) beyond N - 1; ``prefill=False`` leaves the prefill out of (d). Sums of at most N terms."""
     def m(tq, tk):
-        return _macs(tq, tk, L, C, V, **rule)
-    lengths = range(P, P + N) if uncached is None else uncached(P, N)
-    return {"step_no_cache": m(T, T), "step_cache": m(1, T),
-            "generate_no_cache": sum(m(t, t) for t in lengths),
-            "generate_cache": (m(P, P) + sum(m(1, t) for t in range(P + 1, P + N))
-                               if cached is None else cached(m, P, N))}
+        return _macs(tq, tk, L, C, V, H, G, **rule)
+    b, longest = len(prompts), max(prompts)
+    lengths = list(prompts) if not padded else [longest] * b
+    n_steps = N - 1 + extra_steps
+
+    def generation(p):
+        return (m(p, p) if prefill else 0) + sum(m(1, t) for t in range(p + 1, p + 1 + n_steps))
+    return {"prefill_padded": sum(m(p, p) for p in lengths),
+            "prefill_ragged": sum(m(p, p) for p in (prompts if ragged_at is None else
+                                                    [ragged_at(prompts)] * b)),
+            "step": (b if batch is None else batch) * m(1, longest + step_keys) if padded else
+            sum(m(1, p + step_keys) for p in prompts),
+            "generate": sum(generation(p) for p in lengths)}
 
 
-def decode_savings_reference(L, C, V, T, P, N):
-    """The four counts, from M(Tq, Tk) = Tq·(L·12·C² + C·V) + L·2·Tq·Tk·C."""
-    return _savings(L, C, V, T, P, N)
+def decode_savings_reference(L, C, V, H, G, prompts, N):
+    """The four counts, from M(Tq, Tk) = Tq·(L·(2C² + 2C·G·C/H + 8C²) + C·V) + L·2·Tq·Tk·C."""
+    return _savings(L, C, V, H, G, prompts, N)
 
 
 SAVINGS = count_questions(SAVING_QUESTIONS)
 
 
-def _counting(wrong=None, **rule):
-    """A typical wrong answer, a function of the sizes: every count under ``rule``, or the right
-    counts with those ``wrong(sizes)`` returns changed."""
-    def fn(L, C, V, T, P, N):
-        if wrong is None:
-            return _savings(L, C, V, T, P, N, **rule)
-        return {**_savings(L, C, V, T, P, N), **wrong(L=L, C=C, V=V, T=T, P=P, N=N)}
+def _counting(**rule):
+    """A typical wrong answer, a function of the sizes: every count under ``rule``."""
+    def fn(L, C, V, H, G, prompts, N):
+        return _savings(L, C, V, H, G, prompts, N, **rule)
     return fn
 
 
-def _flops(L, C, V, T, P, N):
-    return {k: 2 * v for k, v in decode_savings_reference(L, C, V, T, P, N).items()}
+def _flops(L, C, V, H, G, prompts, N):
+    return {k: 2 * v for k, v in decode_savings_reference(L, C, V, H, G, prompts, N).items()}
 
 
 register(Exercise(
@@ -350,25 +373,31 @@ register(Exercise(
     mistakes=(
         Mistake("you counted 2 FLOPs per multiply-add: the question asks for multiply-adds",
                 _flops),
+        Mistake("your key and value projections map C to C: with G key-value heads of width "
+                "C / H each, they are narrower than the query's", _counting(full_kv=True)),
+        Mistake("you shrank the attention with the key-value heads: each of the H query heads "
+                "still compares its query with every key and sums every value",
+                _counting(grouped_attention=True)),
+        Mistake("you counted every sequence at its own length: a padded batch is one tensor, "
+                "every row as long as the longest prompt, and its cache too",
+                _counting(padded=False)),
+        Mistake("you counted each prompt on its own at the longest prompt's length: without "
+                "padding a prompt costs its own length", _counting(ragged_at=max)),
+        Mistake("your decode step counts one sequence: each of the B sequences feeds a token",
+                _counting(batch=1)),
+        Mistake("your decode step's query meets the cached keys only: its own key is written "
+                "to the cache before it attends", _counting(step_keys=0)),
         Mistake("you left out the LM head: every token that goes through the model also meets "
                 "the (C, V) output matrix", _counting(head=False)),
         Mistake("you left out the MLP: each layer's feed-forward network costs more than its "
                 "attention projections", _counting(mlp=False)),
         Mistake("you counted only the scores q kᵀ: the weighted sum of the values is a second "
                 "product of the same size", _counting(products=1)),
-        Mistake("a cached step still runs its new token through every projection, MLP and the "
-                "LM head: you counted only its attention",
-                _counting(lambda L, C, V, T, P, N: {"step_cache": 2 * L * T * C})),
-        Mistake("your first uncached pass or your last one is off by one: the first sees the P "
-                "prompt tokens, the last P + N - 1 (the last new token is never fed back)",
-                _counting(uncached=lambda P, N: range(P + 1, P + N + 1))),
-        Mistake("you left out the prefill: the cached generation first runs the whole prompt, "
-                "which gives the first new token",
-                _counting(cached=lambda m, P, N: sum(m(1, t) for t in range(P + 1, P + N)))),
-        Mistake("you counted N single-token steps after the prefill: the prefill already gives "
-                "the first new token, so N - 1 steps follow",
-                _counting(cached=lambda m, P, N: m(P, P) + sum(m(1, t) for t in
-                                                               range(P + 1, P + N + 1)))),
+        Mistake("you left out the prefill: the cached generation first runs the padded "
+                "prompts, which gives every sequence its first new token",
+                _counting(prefill=False)),
+        Mistake("you counted N decode steps after the prefill: the prefill already gives the "
+                "first new token, so N - 1 steps follow", _counting(extra_steps=1)),
     ),
 ))
 

@@ -102,41 +102,50 @@ def _(gen):
                      d, d, randint(0, 4, gen), gen, "")
 
 
-# ch08.decode_savings: one set of sizes in each regime on every seed, drawn inside it. The
-# crossover is the length T* = 6C + V / (2L) where a token's attention in an uncached step,
-# 2·L·T·C, equals the rest of its work, L·12·C² + C·V.
-#   prefill-heavy: T below the crossover (the products and the LM head dominate), a prompt
-#                  longer than the answer (N < P);
-#   decode-heavy:  T above the crossover (the attention dominates), a short prompt and a long
-#                  answer (N > P);
-#   one new token: N = 1, where the cached generation is the prefill alone.
-# Every count is a sum of at most N terms, so the student's arithmetic stays fast.
+# ch08.decode_savings: three sets of sizes on every seed, each inside its regimes. Grouped
+# heads (1 < G < H) with a batch of prompts of different lengths and several new tokens: the
+# central case, where neither the chapter's count of one sequence nor a count with C-wide keys
+# and values is right. One key-value head (G = 1) and one prompt, several new tokens. As many
+# key-value heads as query heads (G = H) with prompts of different lengths and one new token,
+# where the generation is the padded prefill alone. Every count is a sum of at most N terms.
 
-def _crossover(kw):
-    return 6 * kw["C"] + kw["V"] / (2 * kw["L"])
+def _heads(gen, grouped):
+    """(H, G): H a power of two from 4 to 32; G between 1 and H, or 1, or H."""
+    power = randint(2, 5, gen)
+    g = {"grouped": 2 ** randint(1, power - 1, gen), "one": 1, "all": 2 ** power}[grouped]
+    return 2 ** power, g
+
+
+def _prompts(gen, b):
+    """``b`` prompt lengths from 1 to 1024, not all equal when b > 1."""
+    while True:
+        lengths = [randint(1, 1024, gen) for _ in range(b)]
+        if b == 1 or len(set(lengths)) > 1:
+            return lengths
+
+
+def _model(gen, grouped):
+    h, g = _heads(gen, grouped)
+    return dict(L=randint(1, 48, gen), C=h * 2 ** randint(3, 7, gen), V=randint(16, 200_000, gen),
+                H=h, G=g)
 
 
 @hidden("ch08.decode_savings", regimes={
-    "prefill-heavy: T below the crossover 6C + V / (2L), 1 < N < P":
-        lambda case: case.kwargs["T"] < _crossover(case.kwargs)
-        and 1 < case.kwargs["N"] < case.kwargs["P"],
-    "decode-heavy: T above the crossover, N > P":
-        lambda case: case.kwargs["T"] > _crossover(case.kwargs)
-        and case.kwargs["N"] > case.kwargs["P"],
+    "grouped heads: 1 < G < H": lambda case: 1 < case.kwargs["G"] < case.kwargs["H"],
+    "one key-value head: G = 1": lambda case: case.kwargs["G"] == 1,
+    "as many key-value heads as query heads: G = H":
+        lambda case: case.kwargs["G"] == case.kwargs["H"],
+    "prompts of different lengths (B > 1)": lambda case: len(set(case.kwargs["prompts"])) > 1,
+    "one prompt (B = 1)": lambda case: len(case.kwargs["prompts"]) == 1,
+    "several new tokens: N > 1": lambda case: case.kwargs["N"] > 1,
     "one new token: N = 1": lambda case: case.kwargs["N"] == 1,
-})
+}, central=("grouped heads: 1 < G < H", "prompts of different lengths (B > 1)"))
 def _(gen):
-    c = 64 * randint(2, 24, gen)
-    p = randint(64, 1024, gen)
-    short = dict(L=randint(2, 48, gen), C=c, V=randint(100, 200_000, gen),
-                 T=randint(2, 6 * c, gen), P=p, N=randint(2, p - 1, gen))
-    layers, c, v = randint(2, 48, gen), 64 * randint(1, 8, gen), randint(16, 4096, gen)
-    p = randint(1, 200, gen)
-    long = dict(L=layers, C=c, V=v, T=6 * c + v // (2 * layers) + randint(1, 4096, gen), P=p,
-                N=randint(p + 1, 2000, gen))
-    single = dict(L=randint(1, 48, gen), C=64 * randint(1, 24, gen), V=randint(16, 200_000, gen),
-                  T=randint(1, 4096, gen), P=randint(1, 2048, gen), N=1)
-    yield from SAVINGS.cases(short, long, single)
+    grouped = dict(_model(gen, "grouped"), prompts=_prompts(gen, randint(2, 5, gen)),
+                   N=randint(2, 600, gen))
+    single = dict(_model(gen, "one"), prompts=_prompts(gen, 1), N=randint(2, 600, gen))
+    last = dict(_model(gen, "all"), prompts=_prompts(gen, randint(2, 4, gen)), N=1)
+    yield from SAVINGS.cases(grouped, single, last)
 
 
 # ch08.greedy_decode and ch08.first_divergence: toy models of drawn sizes (even D), drawn again
