@@ -43,19 +43,24 @@ def online_softmax(x, *, rescale=True, guard=True, use_max=True, dead=True):
     """The solution; the keywords make it one typical mistake or another."""
     m = torch.full(x.shape[:-1], INF, dtype=x.dtype)
     l = torch.zeros(x.shape[:-1], dtype=x.dtype)
+    ms, ls = [], []
     for j in range(x.shape[-1]):
+        m_new = torch.maximum(m, x[..., j])
         if not use_max:
             l = l + torch.exp(x[..., j])
-            continue
-        m_new = torch.maximum(m, x[..., j])
-        ref = _ref(m_new) if guard else m_new
-        l = (l * torch.exp(m - ref) if rescale else l) + torch.exp(x[..., j] - ref)
+        else:
+            ref = _ref(m_new) if guard else m_new
+            l = (l * torch.exp(m - ref) if rescale else l) + torch.exp(x[..., j] - ref)
         m = m_new
+        ms.append(m)
+        ls.append(l)
     if not use_max:
-        return torch.exp(x) / l[..., None]
-    ref = _ref(m) if guard else m
-    total = torch.where(l == 0, torch.ones_like(l), l) if dead else l
-    return torch.exp(x - ref[..., None]) / total[..., None]
+        out = torch.exp(x) / l[..., None]
+    else:
+        ref = _ref(m) if guard else m
+        total = torch.where(l == 0, torch.ones_like(l), l) if dead else l
+        out = torch.exp(x - ref[..., None]) / total[..., None]
+    return out, torch.stack(ms, dim=-1), torch.stack(ls, dim=-1)
 
 
 def merge_states(out_a, lse_a, out_b, lse_b, *, lse_rule="log", weights="share", guard=True):
@@ -100,9 +105,10 @@ def tile_update(m, l, acc, scores, v, *, rescale_acc=True, rescale_l=True, guard
 
 def tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None, *, floor=False,
               top_left=False, diagonal=True, extra=False, by_index=False, windowed=True,
-              strict_last=False, corners=False):
+              strict_last=False, corners=False, future=True):
     """The solution; the keywords make it one typical mistake or another (``corners``: a tile
-    is kept when one of its four corners is an allowed pair, as the exercise's words invite)."""
+    is kept when one of its four corners is an allowed pair, as the exercise's words invite;
+    ``future=False``: a window without causality reaches back only)."""
     n_q = tq // block_q if floor else -(-tq // block_q)
     n_k = tk // block_k if floor else -(-tk // block_k)
     offset = 0 if top_left else tk - tq
@@ -124,7 +130,7 @@ def tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None, *, floor=F
                 else:
                     ok = k0 <= p1
             if window is not None and windowed:
-                ok = ok and k1 > p0 - window and (is_causal or k0 < p1 + window)
+                ok = ok and k1 > p0 - window and (is_causal or not future or k0 < p1 + window)
             if corners:
                 ok = any((not is_causal or k <= p) and (window is None or abs(p - k) < window)
                          for p in (p0, p1) for k in (k0, k1))
@@ -132,14 +138,28 @@ def tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None, *, floor=F
     return keep
 
 
-def flash_counts(T, block, W, D, *, whole_blocks=False, window_rule="ok"):
+def flash_counts(T, block, W, D, *, whole_blocks=False, skip="ok", window_rule="ok",
+                 dq_read=True, rowsum=True):
     """The solution; the keywords make it one typical mistake or another."""
     n = T // block if whole_blocks else -(-T // block)
-    back = {"ok": -(-(W - 1) // block), "floor": W // block - 1, "floor_plus": W // block}
-    return {"causal_tiles": n * (n + 1) // 2,
-            "window_tiles": sum(min(i + 1, back[window_rule] + 1) for i in range(n)),
-            "standard_elements": 4 * T * T + 4 * T * D,
-            "tiled_elements": 2 * T * D + n * 2 * T * D + T}
+    size = [min(block, T - b * block) for b in range(n)]
+    back = {"ok": -(-(W - 1) // block), "floor": W // block - 1, "floor_plus": W // block,
+            "none": n}[window_rule]
+
+    def computed(i, j, back=None):
+        causal = {"ok": j <= i, "none": True, "strict": j < i}[skip]
+        return causal and (back is None or i - j <= back)
+
+    def forward(back):
+        return 2 * T * D + T + sum(2 * size[j] * D for i in range(n) for j in range(n)
+                                   if computed(i, j, back))
+
+    def backward(causal):
+        tiles = [(i, j) for i in range(n) for j in range(n) if not causal or computed(i, j)]
+        return (2 * T * D + T if rowsum else 0) + 4 * T * D + sum(
+            size[i] * (2 * D + 2 + (2 * D if dq_read else D)) for i, j in tiles)
+    return {"causal_elements": forward(None), "window_elements": forward(back),
+            "backward_elements": backward(False), "causal_backward_elements": backward(True)}
 
 
 @pytest.mark.parametrize("key, fn", [(ONLINE, online_softmax), (MERGE, merge_states),
@@ -172,6 +192,45 @@ def test_online_softmax_mistakes():
     # a rescaled sum passes even where the max never moves (a single column)
     found = results(ONLINE, lambda x: online_softmax(x, rescale=False))
     assert found["a single column"].passed and not found[GROWING].passed
+
+
+def safe_softmax_in_two_passes(x, *, state="final"):
+    """The chapter's safe softmax (the row's max first, then the sums) with the state such an
+    answer can report: ``"final"`` the row's max and sum at every column; ``"cumsum"`` the
+    running max and the sums up to each column against the final max; ``"rescaled"`` those
+    sums brought to the running max afterwards, exp(max - m_j) times each."""
+    top = x.amax(dim=-1, keepdim=True)
+    e = torch.exp(x - _ref(top))
+    total = e.sum(dim=-1, keepdim=True)
+    out = e / torch.where(total == 0, torch.ones_like(total), total)
+    m = x.cummax(dim=-1).values
+    if state == "final":
+        return out, top.expand_as(x), total.expand_as(x)
+    if state == "cumsum":
+        return out, m, e.cumsum(dim=-1)
+    return out, m, e.cumsum(dim=-1) * torch.exp(_ref(top) - _ref(m))
+
+
+def test_online_softmax_in_two_passes_earns_nothing_on_every_seed():
+    """Issue 42: the safe softmax in two passes (the max first, then the sums) scored 2/2. The
+    exercise returns the state after every column, which one pass holds and two passes do not;
+    a max that grows along a row is its central regime, drawn on every seed, and every two-pass
+    answer fails it: 0 on each of 100 seeds, the right outputs notwithstanding."""
+    for state, hint in (("final", "final max and sum at every column"),
+                        ("cumsum", "against the row's final max"), ("rescaled", None)):
+        def two_passes(x, state=state):
+            return safe_softmax_in_two_passes(x, state=state)
+        for case in get(ONLINE).public_cases():      # its softmax is right
+            x = case.args[0]
+            torch.testing.assert_close(two_passes(x)[0], course_attn.softmax(x, dim=-1))
+        if hint:
+            assert_fails(ONLINE, two_passes, GROWING, hint=hint)
+        for seed in range(100):
+            judgement = grade_here(get(ONLINE), two_passes, seed, watch_banned=False)
+            assert judgement.credit() == 0, (state, seed, judgement.reason())
+    for seed in range(100):
+        judgement = grade_here(get(ONLINE), online_softmax, seed, watch_banned=False)
+        assert judgement.credit() == 1, (seed, judgement.reason())
 
 
 def test_online_softmax_may_not_call_a_library_softmax_or_logsumexp():
@@ -366,6 +425,24 @@ def test_tile_mask_checking_only_the_corners_loses_points_on_every_seed():
         assert judgement.credit() < 1, seed
 
 
+def test_tile_mask_ignoring_the_future_half_of_a_two_sided_window_earns_nothing():
+    """Issue 42: a window without causality that reaches back only scored 1.6/2 (as one regime
+    of eleven, and the block regimes its case fell in). It is wrong on every two-sided case,
+    whatever the blocks: that regime is central now, and the answer earns 0 on each of 100
+    seeds, while an answer wrong only where a causal window meets a tile between its corners
+    keeps its share."""
+    def past_only(*args, **kwargs):
+        return tile_mask(*args, **kwargs, future=False)
+    assert_fails(MASK, past_only, TWO_SIDED)
+    assert results(MASK, past_only)[WINDOW].passed
+    for seed in range(100):
+        judgement = grade_here(get(MASK), past_only, seed, watch_banned=False)
+        assert judgement.credit() == 0, (seed, judgement.reason())
+    corners = grade_here(get(MASK), lambda *a, **k: tile_mask(*a, **k, corners=True), 0,
+                         watch_banned=False)
+    assert 0 < corners.credit() < 1, corners.reason()
+
+
 def test_tile_mask_may_not_call_the_package():
     def with_the_package(tq, tk, bq, bk, is_causal=False, window=None):
         course_attn.attention_mask(tq, tk, is_causal=is_causal, window=window)
@@ -385,35 +462,39 @@ def counts_of_sizes(seeds=range(10)):
     return sizes
 
 
-def traffic_by_loops(T, block, D):
-    """(c) and (d) counted step by step, as the chapter's instrumented forward counts them: each
-    operation's reads and writes, and each query block's loads and stores, tile by tile."""
-    standard = (T * D + T * D + T * T) + (T * T + T * T) + (T * T + T * D + T * D)
-    tiled = 0
-    for q0 in range(0, T, block):
-        rows = min(block, T - q0)
-        tiled += rows * D                                   # the block of Q, once
-        for k0 in range(0, T, block):
-            tiled += 2 * min(block, T - k0) * D             # a block of K and one of V
-        tiled += rows * D + rows                            # its O and its log-sum-exps
-    return standard, tiled
+def traffic_by_schedule(T, block, W, D):
+    """(a) to (d) counted from the package's tile schedule (the tiles the flash forward
+    computes, each listed once): what each query block and each computed tile loads and
+    stores, and, for the backward, D's step, each key block's K, V, dK and dV and each tile's
+    reads of its query block."""
+    def rows(b):
+        return min(block, T - b * block)
+
+    def forward(window):
+        tiles = tile_schedule(T, T, block, block, is_causal=True, window=window)
+        return sum(2 * rows(i) * D + rows(i) for i in range(-(-T // block))) + sum(
+            2 * rows(j) * D for _, j in tiles)
+
+    def backward(causal):
+        tiles = tile_schedule(T, T, block, block, is_causal=causal)
+        key_blocks = sum(4 * rows(j) * D for j in range(-(-T // block)))
+        return (2 * T * D + T) + key_blocks + sum(rows(i) * (4 * D + 2) for i, _ in tiles)
+    return {"causal_elements": forward(None), "window_elements": forward(W),
+            "backward_elements": backward(False), "causal_backward_elements": backward(True)}
 
 
-def test_the_counts_are_the_tile_schedule_and_a_count_by_loops_on_public_and_hidden_sizes():
+def test_the_counts_are_the_tile_schedules_on_public_and_hidden_sizes():
     sizes = counts_of_sizes()
     assert len(sizes) == 2 + 6 * 10
     for size in sizes:
-        T, block, W, D = size["T"], size["block"], size["W"], size["D"]
         right = get(COUNTS).reference(**size)
-        assert right["causal_tiles"] == len(tile_schedule(T, T, block, block, is_causal=True))
-        assert right["window_tiles"] == len(tile_schedule(T, T, block, block, is_causal=True,
-                                                          window=W)), size
-        assert (right["standard_elements"], right["tiled_elements"]) == \
-            traffic_by_loops(T, block, D)
-        assert right == flash_counts(**size)
-    s = COUNT_SIZES
-    assert get(COUNTS).reference(**s)["causal_tiles"] == int(tile_mask(
-        s["T"], s["T"], s["block"], s["block"], True).sum()) == 136
+        assert right == traffic_by_schedule(**size) == flash_counts(**size), size
+    # the chapter's sizes: a causal forward loads 136 of the 256 tiles' keys and values, so its
+    # traffic lies between the tiled forward's (section 1) without a skip and half of it
+    T, block, D = COUNT_SIZES["T"], COUNT_SIZES["block"], COUNT_SIZES["D"]
+    no_skip = T * D + (T // block) * 2 * T * D + T * D + T
+    causal = get(COUNTS).reference(**COUNT_SIZES)["causal_elements"]
+    assert causal == no_skip - (256 - 136) * 2 * block * D
 
 
 def test_flash_counts_hidden_sizes_cover_their_regimes():
@@ -432,34 +513,39 @@ def test_flash_counts_hidden_sizes_cover_their_regimes():
 def test_flash_counts_mistakes():
     cases = [case.name for case in get(COUNTS).public_cases()]
     a, b, c, d, a2, b2, c2, d2 = cases
-    right = flash_counts(**COUNT_SIZES)
-
-    def answering(**wrong):
-        return lambda **size: {**flash_counts(**size), **wrong} if size == COUNT_SIZES \
-            else flash_counts(**size)
-    assert_fails(COUNTS, answering(causal_tiles=16 * 16), a, hint="counted every tile")
-    assert_fails(COUNTS, answering(causal_tiles=16 * 15 // 2), a, hint="skipped the diagonal")
+    for part in (a, d):
+        assert_fails(COUNTS, lambda **size: flash_counts(**size, skip="none"), part,
+                     hint="counted every tile", message="too large")
+        assert_fails(COUNTS, lambda **size: flash_counts(**size, skip="strict"), part,
+                     hint="skipped the diagonal", message="too small")
+    assert_fails(COUNTS, lambda **size: flash_counts(**size, window_rule="none"), b,
+                 hint="ignored the window", message="too large")
     assert_fails(COUNTS, lambda **size: flash_counts(**size, window_rule="floor"), b,
                  hint="W // block key blocks", message="too small")
     assert_fails(COUNTS, lambda **size: flash_counts(**size, window_rule="floor_plus"), b2,
                  hint="W // block + 1 key blocks", message="too small")
-    T, D = COUNT_SIZES["T"], COUNT_SIZES["D"]
-    assert_fails(COUNTS, answering(standard_elements=2 * T * T + 4 * T * D), c,
-                 hint="fewer than four times")
-    assert_fails(COUNTS, answering(standard_elements=4 * T * T), c, hint="reads of Q, K, V")
-    assert_fails(COUNTS, answering(tiled_elements=4 * T * D + T), d, hint="read K and V once")
-    assert_fails(COUNTS, answering(tiled_elements=right["tiled_elements"] - T), d,
-                 hint="log-sum-exp")
-    for case in (b2, d2):
+    for part in (c, d2):
+        assert_fails(COUNTS, lambda **size: flash_counts(**size, dq_read=False), part,
+                     hint="without reading it", message="too small")
+        assert_fails(COUNTS, lambda **size: flash_counts(**size, rowsum=False), part,
+                     hint="rowsum(dO * O)", message="too small")
+    for case in (a2, b2, c2, d2):
         assert_fails(COUNTS, lambda **size: flash_counts(**size, whole_blocks=True), case,
-                     hint="whole blocks only", message="too small")
-    # (a) alone, part by part: 15 whole blocks give 15·16/2 tiles, which is also 16 blocks
-    # without their diagonal, a mistake named before it
-    assert_fails(COUNTS, lambda **size: flash_counts(**size, whole_blocks=True), a2,
-                 message="too small")
+                     message="too small")
     for case in cases[:4]:                       # the chapter's sizes: T and W whole blocks
         assert results(COUNTS, lambda **size: flash_counts(**size, whole_blocks=True))[case].passed
     assert_fails(COUNTS, lambda **size: [1, 2, 3, 4], a, message="should return a dict")
+
+
+def test_flash_counts_the_chapters_formulas_earn_nothing():
+    """Issue 42: (c) and (d) were the chapter's standard_traffic and tiled_traffic verbatim.
+    Those formulas (the forward's traffic, every tile loaded) answer none of the four now."""
+    def chapters(T, block, W, D):
+        tiled = T * D + -(-T // block) * 2 * T * D + T * D + T
+        return dict.fromkeys(COUNT_QUESTIONS, tiled)
+    for seed in range(100):
+        judgement = grade_here(get(COUNTS), chapters, seed, watch_banned=False)
+        assert judgement.credit() == 0, (seed, judgement.reason())
 
 
 def test_flash_counts_never_shows_the_right_answer():
@@ -1002,14 +1088,15 @@ def test_a_chunk_loop_that_stops_one_key_short_fails_on_every_seed():
 
 def test_a_window_one_key_off_fails_on_every_seed():
     """Issue 31: a window counted one key too wide or too narrow (``c1 >= r0 - W``, or W - 1
-    keys) changes the tile count only where a block boundary falls at the window's edge; the
+    keys) changes the tiles only where a block boundary falls at the window's edge; the
     hidden sizes put W on a block boundary (W = k·block) and one past it on every seed."""
-    from course_attn.grading.ch09 import _tiles, flash_counts_reference
+    from course_attn.grading.ch09 import _counts, flash_counts_reference
 
     def off_by(shift):
         def window_off(T, block, W, D):
             counts = flash_counts_reference(T, block, W, D)
-            return {**counts, "window_tiles": _tiles(T, block, W + shift)}
+            return {**counts, "window_elements": _counts(T, block, W + shift, D)[
+                "window_elements"]}
         window_off.__name__ = f"window_off_by_{shift}"
         return window_off
 

@@ -1,8 +1,8 @@
 """Exercises of Chapter 9, online softmax and flash attention.
 
-    ch09.online_softmax   online_softmax(x) -> softmax of x over its last dim, computed with a
-                          running max and a running sum over the columns (x: (..., N)); a row
-                          of -inf gives zeros
+    ch09.online_softmax   online_softmax(x) -> (out, m, l): the softmax of x over its last dim
+                          (x: (..., N); a row of -inf gives zeros), and the running max and
+                          running sum after each column, (..., N) each: the state of one pass
     ch09.merge_states     merge_states(out_a, lse_a, out_b, lse_b) -> (out, lse): attention over
                           two disjoint key sets, from attention over each (out (B, H, Tq, Dv),
                           lse (B, H, Tq), the log-sum-exp of each row's scores)
@@ -11,10 +11,10 @@
     ch09.tile_mask        tile_mask(tq, tk, block_q, block_k, is_causal=False, window=None)
                           -> bool (ceil(tq/block_q), ceil(tk/block_k)): the tiles that hold at
                           least one allowed (query, key) pair, bottom-right aligned
-    ch09.flash_counts     flash_counts(T, block, W, D) -> dict: tiles a causal and a windowed
-                          forward compute (T x T in square tiles of block, a window of W keys),
-                          and the memory traffic of the standard and the tiled forward (heads
-                          of D, query blocks of block rows) (derive, on sizes drawn at grading)
+    ch09.flash_counts     flash_counts(T, block, W, D) -> dict: the memory traffic of the tiled
+                          causal forward, with a window of W keys too, and of the tiled
+                          backward, causal or not (T x T in square tiles of block, heads of D)
+                          (derive, on sizes drawn at grading)
 
     ch09.chunked_attention  chunked_attention(q, k, v, bias, chunk) -> (Tq, Dv): the given
                           forward over key chunks, whose running max starts at 0, repaired
@@ -29,11 +29,11 @@
                           (dq, dk, dv): the tiled backward when the loss reads the log-sum-exps
                           too, checked against autograd, never making the whole (Tq, Tk) table
 
-The first four are warm-ups (the chapter writes them out). References:
-``course_attn.softmax``; ``course_attn.flash.merge_attention_states``; the update written out
-below; ``course_attn.masks`` reduced over blocks; the counts from the formulas of the chapter;
-the softmax in float64 (chunked_attention, triton_forward); the same measurement, made by the
-grader (memory_exponent).
+The first four are warm-ups (the chapter writes them out). References: ``course_attn.softmax``
+and the running state of every prefix, summed at once; ``course_attn.flash.merge_attention_states``;
+the update written out below; ``course_attn.masks`` reduced over blocks; the counts tile by
+tile; the softmax in float64 (chunked_attention, triton_forward); the same measurement, made by
+the grader (memory_exponent).
 """
 
 import functools
@@ -66,7 +66,13 @@ def _finite_max(m):
 # --- ch09.online_softmax -------------------------------------------------------------------------
 
 def online_softmax_reference(x):
-    return softmax(x, dim=-1)
+    """(out, m, l) for x (..., N): out the softmax over the last dim; m[..., j] the max of
+    x[..., :j + 1], the running max after column j (-inf until a finite score); l[..., j] the
+    sum of exp(x_i - m[..., j]) over i <= j, the running sum against that max (0 while it is
+    -inf). The sums of every prefix at once, in float64: (..., N, N), row j, column i."""
+    m = x.cummax(dim=-1).values
+    terms = torch.exp(x.double()[..., None, :] - _finite_max(m).double()[..., :, None])
+    return softmax(x, dim=-1), m, terms.tril().sum(dim=-1).to(x.dtype)
 
 
 def _scores(*shape, seed, scale=1.0, dtype=torch.float32):
@@ -109,21 +115,41 @@ def _online_wrong(*, rescale=True, use_max=True, guard_start=True, guard_dead=Tr
     def online_softmax(x):
         m = torch.full(x.shape[:-1], INF, dtype=x.dtype)
         l = torch.zeros(x.shape[:-1], dtype=x.dtype)
+        ms, ls = [], []
         for j in range(x.shape[-1]):
             xj = x[..., j]
+            m_new = torch.maximum(m, xj)
             if not use_max:
                 l = l + torch.exp(xj)
-                continue
-            m_new = torch.maximum(m, xj)
-            ref = _finite_max(m_new) if guard_start else m_new
-            alpha = torch.exp(m - ref) if rescale else torch.ones_like(l)
-            l = l * alpha + torch.exp(xj - ref)
+            else:
+                ref = _finite_max(m_new) if guard_start else m_new
+                alpha = torch.exp(m - ref) if rescale else torch.ones_like(l)
+                l = l * alpha + torch.exp(xj - ref)
             m = m_new
+            ms.append(m)
+            ls.append(l)
         if not use_max:
-            return torch.exp(x) / l[..., None]
-        ref = _finite_max(m) if guard_start else m
-        total = torch.where(l == 0, torch.ones_like(l), l) if guard_dead else l
-        return torch.exp(x - ref[..., None]) / total[..., None]
+            out = torch.exp(x) / l[..., None]
+        else:
+            ref = _finite_max(m) if guard_start else m
+            total = torch.where(l == 0, torch.ones_like(l), l) if guard_dead else l
+            out = torch.exp(x - ref[..., None]) / total[..., None]
+        return out, torch.stack(ms, dim=-1), torch.stack(ls, dim=-1)
+    return online_softmax
+
+
+def _two_passes(*, running_max):
+    """The safe softmax in two passes, the row's max first and its sums after, with the state
+    such an answer can report: ``running_max=False`` the row's final max and sum at every
+    column; True the running max, and the sums up to each column against the final max."""
+    def online_softmax(x):
+        top = x.amax(dim=-1, keepdim=True)
+        e = torch.exp(x - _finite_max(top))
+        total = e.sum(dim=-1, keepdim=True)
+        out = e / torch.where(total == 0, torch.ones_like(total), total)
+        if running_max:
+            return out, x.cummax(dim=-1).values, e.cumsum(dim=-1)
+        return out, top.expand_as(x), total.expand_as(x)
     return online_softmax
 
 
@@ -131,8 +157,14 @@ register(Exercise(
     key="ch09.online_softmax", function="online_softmax", reference=online_softmax_reference,
     task="warm-up",
     ops=ELEMENTARY,
-    cases=_online_cases, compare=expect_tensor, banned=NO_SOFTMAX_OR_LSE,
+    cases=_online_cases, compare=expect_tensors(("out", "m", "l")), banned=NO_SOFTMAX_OR_LSE,
     mistakes=(
+        Mistake("your m and l are the row's final max and sum at every column: the state after "
+                "column j is what one pass holds there, having seen the columns up to j only",
+                _two_passes(running_max=False)),
+        Mistake("your running sums are taken against the row's final max: after column j, one "
+                "pass knows only the max of the columns so far, and rescales its sum when the "
+                "max grows", _two_passes(running_max=True)),
         Mistake("a row that is all -inf gives NaN: its sum is 0, and 0 / 0 is NaN; such a row "
                 "has no key to attend to and must give zeros", _online_wrong(guard_dead=False)),
         Mistake("you did not rescale the running sum when the running max grew: the terms "
@@ -480,7 +512,7 @@ register(Exercise(
 ))
 
 
-# --- ch09.flash_counts: tiles and memory traffic, derived ----------------------------------------
+# --- ch09.flash_counts: memory traffic of the causal, windowed and backward passes, derived ------
 
 # The chapter's sizes, and sizes whose last block is partial and whose window is not a whole
 # number of blocks (so that every typical mistake below gives a wrong answer on some case).
@@ -488,81 +520,93 @@ COUNT_SIZES = dict(T=1024, block=64, W=256, D=64)
 MORE_COUNT_SIZES = dict(T=1000, block=64, W=200, D=32)
 
 COUNT_QUESTIONS = {
-    "causal_tiles": (
-        "(a) tiles a causal forward computes",
-        "count, for each query block, the key blocks up to and including the diagonal one; a "
-        "partial last block is a block too"),
-    "window_tiles": (
-        "(b) tiles a causal forward with a window of W keys computes",
+    "causal_elements": (
+        "(a) elements the tiled causal forward reads and writes, one head",
+        "a query block loads the keys and values of the tiles it computes only: the key blocks "
+        "up to and including the diagonal one, the last one partial"),
+    "window_elements": (
+        "(b) the same, causal with a window of W keys",
         "a query block's allowed keys run from W - 1 positions before its first query to its "
-        "last query; count the key blocks that range touches, fewer near the start"),
-    "standard_elements": (
-        "(c) elements the standard forward reads and writes, one head",
-        "the T x T matrix is written as S, read, written as P and read again; add the reads of "
-        "Q, K, V and the write of O"),
-    "tiled_elements": (
-        "(d) elements the tiled forward reads and writes, one head",
-        "each query block reads its queries once and every key and value; the output and the "
-        "log-sum-exp are written once"),
+        "last query; it loads every key block that range touches, whole"),
+    "backward_elements": (
+        "(c) elements the tiled backward reads and writes, one head, not causal",
+        "D = rowsum(dO * O) first; then each key block loads K and V once and writes dK and dV "
+        "once, and each of its tiles reads a query block's Q, dO, lse and D and reads and "
+        "writes its dQ"),
+    "causal_backward_elements": (
+        "(d) the same, causal",
+        "the tiles above the diagonal are skipped, as in the forward; a key block meets fewer "
+        "query blocks the later it is"),
 }
 
 
-def _tiles(t, block, window=None):
-    """The tiles of a causal T x T table (square tiles of ``block``, the last ones partial) that
-    hold an allowed pair, counted tile by tile from the positions they cover."""
-    n = _blocks(t, block)
-    total = 0
-    for i in range(n):
-        r0, r1 = i * block, min((i + 1) * block, t) - 1
+def _counts(T, block, W, D, *, skip="ok", window_blocks=None, keys_only=False, whole=False,
+            lse=True, rowsum=True, dq_read=True, kv_per_tile=False, stats=True, dkdv=True):
+    """The four counts, tile by tile, or one typical mistake's: ``skip`` "none" (every tile) or
+    "strict" (no diagonal tile); ``window_blocks(W, block)``: the key blocks a query block
+    loads, back from its diagonal one; ``keys_only`` counts the keys the window allows, not the
+    key blocks of the tiles; ``whole`` takes every block as ``block`` long; ``lse=False`` leaves
+    out the forward's log-sum-exps; the backward without D's step (``rowsum``), with dQ written
+    but not read (``dq_read``), K and V loaded by every tile (``kv_per_tile``), without the
+    reads of lse and D (``stats``) or the writes of dK and dV (``dkdv``)."""
+    n = _blocks(T, block)
+    size = [block if whole else min(block, T - b * block) for b in range(n)]
+
+    def kept(i, j, window=None):
+        """Whether the causal tile of query block i and key block j is computed."""
+        last = i * block + size[i] - 1                 # the query block's last position
+        causal = {"none": True, "strict": j < i}.get(skip, j * block <= last)
+        if window is None or not causal:
+            return causal
+        if window_blocks is not None:
+            return i - j < window_blocks(window, block)
+        return j * block + size[j] - 1 > i * block - window
+
+    def forward(window):
+        total = 0
+        for i in range(n):
+            total += 2 * size[i] * D + (size[i] if lse else 0)     # Q; O and the lse
+            if keys_only and window is not None:
+                first, last = i * block, i * block + size[i] - 1
+                total += 2 * D * (last - max(0, first - window + 1) + 1)
+            else:
+                total += sum(2 * size[j] * D for j in range(n) if kept(i, j, window))
+        return total
+
+    def backward(causal):
+        total = 2 * T * D + T if rowsum else 0
+        per_row = 2 * D + (2 if stats else 0) + (2 * D if dq_read else D)
         for j in range(n):
-            c0, c1 = j * block, min((j + 1) * block, t) - 1
-            if c0 <= r1 and (window is None or c1 > r0 - window):
-                total += 1
-    return total
+            kv = 2 * size[j] * D
+            total += (0 if kv_per_tile else kv) + (kv if dkdv else 0)
+            for i in range(n):
+                if not causal or kept(i, j):
+                    total += size[i] * per_row + (kv if kv_per_tile else 0)
+        return total
 
-
-def _counts(T, block, W, D, *, skip="ok", window_blocks=None, score_passes=4, io=True,
-            kv_once=False, lse=True, floor=None):
-    """The four counts, or one typical mistake's: ``skip`` "none" (every tile) or "strict" (no
-    diagonal tile); ``window_blocks(W, block)``: the key blocks per query block, taken as
-    min(i + 1, that); ``score_passes`` over the T x T matrix; ``io=False`` leaves out Q, K, V
-    and O; ``kv_once`` reads K and V once; ``lse=False`` leaves out the log-sum-exps;
-    ``floor`` counts whole blocks only, T // block, for the tiles and for the tiled traffic
-    ("formula": 2TD + (T // block)·2TD + T, "per_block": (T // block) blocks of block rows)."""
-    n = T // block if floor else _blocks(T, block)
-    causal = {"ok": n * (n + 1) // 2, "none": n * n, "strict": n * (n - 1) // 2}[skip]
-    if window_blocks is not None:
-        window = sum(min(i + 1, window_blocks(W, block)) for i in range(n))
-    else:
-        window = _tiles(n * block if floor else T, block, W)
-    standard = score_passes * T * T + (4 * T * D if io else 0)
-    kv_reads = 2 * T * D if kv_once else n * 2 * T * D
-    if floor == "per_block":
-        tiled = n * (block * D + 2 * T * D + block * D + block)
-    else:
-        tiled = T * D + kv_reads + T * D + (T if lse else 0)
-    return {"causal_tiles": causal, "window_tiles": window, "standard_elements": standard,
-            "tiled_elements": tiled}
+    return {"causal_elements": forward(None), "window_elements": forward(W),
+            "backward_elements": backward(False), "causal_backward_elements": backward(True)}
 
 
 def flash_counts_reference(T, block, W, D):
-    """The four counts for a causal T x T table in square tiles of ``block`` (query blocks of
-    ``block`` rows for the traffic), a window of W keys and heads of D: the tiles counted one by
-    one from the positions they cover, the traffic from the chapter's rules."""
+    """The four counts for a T x T table in square tiles of ``block`` (query blocks of ``block``
+    rows), a causal window of W keys and heads of D, counted tile by tile: the elements each
+    computed tile loads, from the positions it covers, and what each block reads and writes."""
     return _counts(T, block, W, D)
 
 
 COUNTS = count_questions(COUNT_QUESTIONS)
 
 
-def _with(key, **rule):
-    """A typical wrong answer: the right counts, with ``key`` counted by ``rule``."""
-    return answers_changed(flash_counts_reference,
-                           {key: lambda **sizes: _counts(**sizes, **rule)[key]})
+def _with(keys, **rule):
+    """A typical wrong answer: the right counts, with each of ``keys`` counted by ``rule``."""
+    return answers_changed(flash_counts_reference, {
+        key: lambda key=key, **sizes: _counts(**sizes, **rule)[key] for key in keys})
 
 
-FLOOR = ("you counted whole blocks only (T // block): a partial last block holds queries and "
-         "keys too, so its tiles are computed and it reads every key and value")
+CAUSAL_KEYS = ("causal_elements", "causal_backward_elements")
+FORWARD_KEYS = ("causal_elements", "window_elements")
+BACKWARD_KEYS = ("backward_elements", "causal_backward_elements")
 
 register(Exercise(
     key="ch09.flash_counts", function="flash_counts", reference=flash_counts_reference,
@@ -571,27 +615,41 @@ register(Exercise(
     cases=lambda: COUNTS.cases(COUNT_SIZES, MORE_COUNT_SIZES), compare=COUNTS.compare,
     banned=("course_attn",),
     mistakes=(
-        Mistake("you counted every tile: a causal forward skips the tiles entirely above the "
-                "diagonal", _with("causal_tiles", skip="none")),
+        Mistake("you counted every tile: a causal pass skips the tiles entirely above the "
+                "diagonal, and with them the loads of their keys and values",
+                _with(CAUSAL_KEYS, skip="none")),
         Mistake("you skipped the diagonal tiles: they hold the pairs of each query with itself "
-                "and are computed", _with("causal_tiles", skip="strict")),
+                "and the keys just before it, and they are computed",
+                _with(CAUSAL_KEYS, skip="strict")),
+        Mistake("you left out the log-sum-exps that the forward writes for the backward, one "
+                "per query", _with(FORWARD_KEYS, lse=False)),
+        Mistake("you ignored the window: the tiles whose keys all lie W or more positions "
+                "before every query of the block are skipped too",
+                _with(("window_elements",), window_blocks=lambda W, block: math.inf)),
         Mistake("you counted W // block key blocks per query block: a window that does not "
                 "start on a block boundary straddles one key block more",
-                _with("window_tiles", window_blocks=lambda W, block: W // block)),
+                _with(("window_elements",), window_blocks=lambda W, block: W // block)),
         Mistake("you counted W // block + 1 key blocks per query block: when W is not a "
                 "multiple of the block, the W - 1 keys before a block's first query may start "
                 "inside a key block that this count leaves out",
-                _with("window_tiles", window_blocks=lambda W, block: W // block + 1)),
-        Mistake("you counted the T x T matrix fewer than four times: S is written and read, "
-                "then P is written and read", _with("standard_elements", score_passes=2)),
-        Mistake("you left out the reads of Q, K, V and the write of O",
-                _with("standard_elements", io=False)),
-        Mistake("you read K and V once: every query block reads all of them again",
-                _with("tiled_elements", kv_once=True)),
-        Mistake("you left out the log-sum-exp that the forward writes for the backward",
-                _with("tiled_elements", lse=False)),
-        *(Mistake(FLOOR, lambda T, block, W, D, form=form: _counts(T, block, W, D, floor=form))
-          for form in ("formula", "per_block")),
+                _with(("window_elements",), window_blocks=lambda W, block: W // block + 1)),
+        Mistake("you counted the keys the window allows: a computed tile loads its whole key "
+                "block, the keys outside the window included", _with(("window_elements",),
+                                                                     keys_only=True)),
+        Mistake("you left out the step before the loop: D = rowsum(dO * O) reads dO and O and "
+                "writes D, one number per query", _with(BACKWARD_KEYS, rowsum=False)),
+        Mistake("you wrote dQ without reading it: dQ is accumulated over the key blocks, so a "
+                "tile reads its block of dQ and writes it back", _with(BACKWARD_KEYS,
+                                                                        dq_read=False)),
+        Mistake("you loaded K and V for every tile: a key block's K and V are loaded once and "
+                "stay while its query blocks pass", _with(BACKWARD_KEYS, kv_per_tile=True)),
+        Mistake("you left out the reads of lse and D: a tile reads them for its query block, to "
+                "recompute P and to form dS", _with(BACKWARD_KEYS, stats=False)),
+        Mistake("you left out the writes of dK and dV, once per key block",
+                _with(BACKWARD_KEYS, dkdv=False)),
+        Mistake("you counted every block as block long: a partial last block holds T % block "
+                "queries and keys, and its loads and writes are that much shorter",
+                lambda T, block, W, D: _counts(T, block, W, D, whole=True)),
     ),
 ))
 
