@@ -19,7 +19,7 @@ from course_attn.grading.exercise import Case, hidden
     "Tq < Tk (queries at the end of the keys)": lambda case: case.args[0] < case.args[1],
     "Tq > Tk by more than one (rows with no key)": lambda case: case.args[0] > case.args[1] + 1,
     "Tq = 1 (one decoding step)": lambda case: case.args[0] == 1,
-})
+}, central=("Tq = Tk",))
 def _(gen):
     t = randint(2, 12, gen)
     yield Case(f"Tq=Tk={t}", (t, t))
@@ -226,7 +226,9 @@ def _finite_fill(case, dtype, low, high):
 @hidden("ch03.fp16_fill", regimes={
     "float16, a fill past its range (the cast is -inf, the row NaN)":
         lambda case: _finite_fill(case, "float16", -math.inf, F16_MIN - 16.5),
-    "float16, its own min (-65504)": lambda case: _finite_fill(case, "float16", F16_MIN, F16_MIN),
+    "float16, its own min (-65504), a score >= 16 among them":
+        lambda case: _finite_fill(case, "float16", F16_MIN, F16_MIN)
+        and max(case.kwargs["scores"]) >= 16,
     "float16, a fill that fits and is not its min (a grid of 8 or 16)":
         lambda case: _finite_fill(case, "float16", F16_MIN + 1, -1.0),
     "float32, a fill near 1e8-1e9 (a grid that keeps some scores apart)":
@@ -243,7 +245,8 @@ def _(gen):
     - float16, a fill past its range (-1e9, -1e5, -7e4, -1e20, float32's min): the cast
       overflows, masked_fill refuses it, the row is NaN;
     - float16, its own min (-65504, grid of 32): one score <= -16 (it overflows to -inf), one
-      in (-16, 16) (it rounds back to min), so the row is finite and not uniform;
+      in (-16, 16) (it rounds back to min), one >= 16 (it rounds up to -65472, where min
+      minus it would overflow to +inf), so the row is finite and not uniform;
     - float16, a fill that fits and is not its min (-1e4: grid of 8; -2e4, -3e4: grid of 16):
       one score within half a spacing of 0, one beyond, so the row is not uniform;
     - float32, -1e9 (grid of 64) or -1e8 (grid of 8): the same, one score within half a
@@ -258,7 +261,7 @@ def _(gen):
                                                torch.finfo(torch.float32).min), gen),
                   scores=_scores(gen))]
     sizes.append(dict(dtype="float16", fill=torch.finfo(torch.float16).min,
-                      scores=_scores(gen, (-47.5, -16.5), (-15.5, 15.5))))
+                      scores=_scores(gen, (-47.5, -16.5), (-15.5, 15.5), (16.5, 47.5))))
     fill, half = _pick(((-1e4, 4), (-2e4, 8), (-3e4, 8)), gen)
     beyond = _pick(((-47.5, -half - 0.5), (half + 0.5, 47.5)), gen)
     sizes.append(dict(dtype="float16", fill=fill,
