@@ -12,12 +12,17 @@ pool as a sequence grows, so at most one partly filled block per sequence is was
 
 Blocks are reference counted, so sequences with a common prefix share the blocks that hold it;
 the first write into a shared block copies it (copy-on-write, vLLM's, Kwon et al., 2023, §4.4),
-so no sequence ever sees another's tokens. ``PoolExhausted`` (a ``ValueError``)
+so no sequence ever sees another's tokens. A prefix cache keeps full blocks after their sequence
+ends (nano-vllm's and vLLM's automatic prefix caching): each full block is registered under a
+chained hash of its tokens and of every block before it, a freed registered block stays
+findable until its space is needed, and the least recently freed is evicted first (LRU).
+``PoolExhausted`` (a ``ValueError``)
 says the pool has no free block: a serving engine catches it and preempts a request
 (``serve.py``).
 """
 
 import math
+from collections import OrderedDict
 
 import torch
 from torch import Tensor
@@ -39,7 +44,10 @@ class PagedKVCache:
 
     ``allocate()`` takes a free block (reference count 1), ``share(b)`` adds a reference,
     ``release(b)`` drops one and frees the block at zero; freed blocks are reused, the most
-    recently freed first. ``write(layer, slots, k, v)`` stores keys and values at flat slots
+    recently freed first. ``register(block, key, tokens)`` files a full block in the prefix
+    cache; ``cached(key, tokens)`` finds it; a registered block freed by every sequence stays
+    cached (not overwritten) until ``allocate`` finds no never-registered free block and evicts
+    the least recently freed one. ``write(layer, slots, k, v)`` stores keys and values at flat slots
     ``block * block_size + offset``. ``new_table()`` is an empty ``BlockTable`` on this pool;
     ``copies`` counts the blocks copied on write, ``allocations`` the blocks taken from the free
     list.
@@ -61,14 +69,24 @@ class PagedKVCache:
         self.copies = 0                                       # copy-on-write copies made
         self.allocations = 0                                  # blocks taken from the free list
         self._free = list(range(num_blocks - 1, -1, -1))     # a stack: block 0 is taken first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # freed, cached: oldest first
+        self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (key, its tokens)
+        self._block_of: dict[int, int] = {}                  # key -> block
+        self.evictions = 0                                    # cached blocks given away
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks ``allocate`` can give: never-registered free ones and evictable cached ones."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks still in the prefix cache."""
+        return len(self._evictable)
 
     @property
     def nbytes(self) -> int:
@@ -77,12 +95,43 @@ class PagedKVCache:
 
     def allocate(self) -> int:
         """A free block, now with one reference; ``PoolExhausted`` when none is left."""
-        if not self._free:
+        if not self._free and not self._evictable:
             raise PoolExhausted(f"the pool's {self.num_blocks} blocks are all in use")
-        block = self._free.pop()
+        if self._free:
+            block = self._free.pop()
+        else:                                   # the least recently freed cached block
+            block, _ = self._evictable.popitem(last=False)
+            key, _ = self._key_of.pop(block)
+            del self._block_of[key]
+            self.evictions += 1
         self.refcount[block] = 1
         self.allocations += 1
         return block
+
+    def register(self, block: int, key: int, tokens: tuple[int, ...]) -> None:
+        """File a full block in use under ``key`` (a chained hash) and the tokens it holds; a
+        key already filed, or a block already registered, is left as it is."""
+        self._check_block(block)
+        if key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = (key, tuple(tokens))
+
+    def cached(self, key: int, tokens) -> int | None:
+        """The block filed under ``key`` if it holds exactly ``tokens`` (a hash may collide),
+        else None."""
+        block = self._block_of.get(key)
+        if block is None or self._key_of[block][1] != tuple(tokens):
+            return None
+        return block
+
+    def take(self, block: int) -> None:
+        """One more reference to a block from the prefix cache, in use or freed (then it is
+        taken back from the evictable ones)."""
+        if block in self._evictable:
+            del self._evictable[block]
+            self.refcount[block] = 1
+        else:
+            self.share(block)
 
     def _check_block(self, block) -> None:
         if (isinstance(block, bool) or not isinstance(block, int)
@@ -101,7 +150,10 @@ class PagedKVCache:
         self._check_block(block)
         self.refcount[block] -= 1
         if self.refcount[block] == 0:
-            self._free.append(block)
+            if block in self._key_of:
+                self._evictable[block] = None   # the most recently freed, evicted last
+            else:
+                self._free.append(block)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy every layer's keys and values of block ``src`` into block ``dst``."""
@@ -188,6 +240,15 @@ class BlockTable:
             self.pool.share(block)
         self.length = n
 
+    def start_on(self, blocks: list[int]) -> None:
+        """Make this empty table hold the full blocks ``blocks`` (from the prefix cache), each
+        taken with one more reference."""
+        if self.blocks:
+            raise ValueError(f"start_on starts an empty table; this one holds {self.length}")
+        for block in blocks:
+            self.pool.take(block)
+        self.blocks, self.length = list(blocks), len(blocks) * self.pool.block_size
+
     def fork(self) -> "BlockTable":
         """A new table holding the same tokens, every block shared."""
         table = BlockTable(self.pool)
@@ -195,9 +256,15 @@ class BlockTable:
         return table
 
     def free(self) -> None:
-        """Release every block; the table is empty again."""
+        """Release every block; the table is empty again. Of the blocks that stay in the prefix
+        cache, the last is evicted first and the first last (nano-vllm frees a table's blocks in
+        reverse), so that a shorter prefix stays whole."""
         for block in self.blocks:
             self.pool.release(block)
+        evictable = self.pool._evictable
+        for block in reversed(self.blocks):
+            if block in evictable:
+                evictable.move_to_end(block)
         self.blocks, self.length = [], 0
 
     def __repr__(self) -> str:

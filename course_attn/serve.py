@@ -21,7 +21,13 @@ request samples its first token in the step that feeds the last of its prompt. W
 request needs a block and none is free, the request admitted last is preempted: its blocks are
 freed and it waits again, with the tokens it generated, to be recomputed later (vLLM's
 recomputation, Kwon et al., 2023, §4.5). A request whose prompt starts like a running request's
-shares the blocks of that common prefix and runs only the rest (prefix sharing).
+shares the blocks of that common prefix and runs only the rest (prefix sharing). With
+``prefix_cache=True`` the full blocks of every request stay in the pool's prefix cache after it
+ends (``paged.py``: a chained hash per block, LRU eviction), and a newcomer whose prompt starts
+with blocks found there takes them instead of recomputing them. A ``watermark`` share of the
+pool is kept free at admission, so that a request just admitted is not preempted at once for
+the decode slots of the others (vLLM's watermark); requests are admitted first come, first
+served, so a request that does not fit holds back those behind it (head-of-line blocking).
 
 Each request is decoded with ``generate``'s arguments (``model.py``, transformers' conventions):
 greedy unless ``do_sample=True``, then temperature, ``top_k``, ``top_p`` and a seeded
@@ -108,6 +114,8 @@ class _Request:
     limit: int                  # new tokens to generate, at most
     generator: torch.Generator | None = None   # its draws, when sampling
     arrival: int = 0            # the step at which it joins the queue
+    keys: list[int] = field(default_factory=list)   # chained hashes of its full blocks
+    registered: int = 0         # full blocks of its table filed in the prefix cache
     new: int = 0                # tokens fed in the current step
     slots: Tensor | None = None   # (new,) their flat slots in the pool
 
@@ -126,7 +134,8 @@ class StepRecord:
     """What one engine step did: the requests it ran (by index, admitted ones included), those
     that arrived in the queue, were admitted, sampled a token, finished and were
     preempted, how many tokens it fed (prefill and decode together), how many prompt tokens it
-    did not feed thanks to a shared prefix, the pool's state after it (``cached_tokens``: held by
+    did not feed thanks to a shared prefix (``cache_hit_tokens`` of them found in the prefix
+    cache), the pool's state after it (``cached_tokens``: held by
     the requests still running; ``blocks_used``) and its time (``course_attn.timing``'s clock:
     processor time on a CPU running one thread, wall time elsewhere). A step in which nothing
     runs (the queue empty until a later arrival) runs no forward and takes 0 ms."""
@@ -139,6 +148,7 @@ class StepRecord:
     preempted: list[int] = field(default_factory=list)
     fed_tokens: int = 0
     shared_tokens: int = 0
+    cache_hit_tokens: int = 0
     cached_tokens: int = 0
     blocks_used: int = 0
     time_ms: float = 0.0
@@ -191,7 +201,9 @@ class Engine:
     at once (None: as many as the blocks hold); ``share_prefixes`` turns prefix sharing on or
     off; ``max_num_batched_tokens`` caps the tokens one step feeds (None: no cap) and
     ``long_prefill_token_threshold`` one request's prefill chunk (None: the step's cap), which
-    turns on chunked prefill (module docstring). ``engine.steps`` records every step of the
+    turns on chunked prefill; ``prefix_cache`` keeps finished requests' full blocks for later
+    ones; ``watermark`` is the share of blocks kept free at admission (module docstring).
+    ``engine.steps`` records every step of the
     last call (a ``StepRecord`` each, timed), ``engine.pool`` is the block pool.
 
     Equal in exact arithmetic: the engine computes each request's logits from the same numbers
@@ -207,18 +219,24 @@ class Engine:
 
     def __init__(self, model, *, block_size: int, num_blocks: int, max_batch: int | None = None,
                  share_prefixes: bool = True, max_num_batched_tokens: int | None = None,
-                 long_prefill_token_threshold: int | None = None):
+                 long_prefill_token_threshold: int | None = None, prefix_cache: bool = False,
+                 watermark: float = 0.0):
         check_positive_ints(block_size=block_size, num_blocks=num_blocks)
         for name, n in (("max_batch", max_batch), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("long_prefill_token_threshold", long_prefill_token_threshold)):
             if n is not None:
                 check_positive_ints(**{name: n})
+        if isinstance(watermark, bool) or not isinstance(watermark, numbers.Real) \
+                or not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be a share of the blocks in [0, 1), got {watermark!r}")
         _check_model(model)
         attn = model.blocks[0].attn
         weight = attn.k_proj.weight
         self.model, self.max_batch, self.share_prefixes = model, max_batch, share_prefixes
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.prefix_cache = prefix_cache
+        self.watermark_blocks = int(watermark * num_blocks)
         self.device = weight.device
         self.pool = PagedKVCache(len(model.blocks), num_blocks, block_size, attn.n_kv_heads,
                                  attn.head_dim, dtype=weight.dtype, device=weight.device)
@@ -318,6 +336,9 @@ class Engine:
         record.running = [r.index for r in fed]
         record.fed_tokens = sum(r.new for r in fed)
         logits = self._forward(fed)                                            # (B, V)
+        if self.prefix_cache:
+            for request in fed:
+                self._register_full_blocks(request)
         sampling, temperature, top_k, top_p = sample
         for b, request in enumerate(fed):
             if request.unfed:                       # a prompt's chunk, more of it to come
@@ -402,26 +423,70 @@ class Engine:
         while (waiting and budget >= 1
                and (self.max_batch is None or len(running) < self.max_batch)):
             request = waiting[0]
-            shared = self._share_prefix(request, running)
+            hit = self._cached_prefix(request) if self.prefix_cache else []
+            bs = self.pool.block_size
+            shared = self._share_prefix(request, running, longer_than=len(hit) * bs)
+            if not shared and hit:
+                request.table.start_on(hit)
+                shared = len(hit) * bs
+                record.cache_hit_tokens += shared
             n = self._chunk(request, budget)
+            if running and (self.pool.num_free - request.table.blocks_needed(n)
+                            < self.watermark_blocks):
+                request.table.free()
+                return
             try:
                 request.slots = request.table.reserve(n)
             except PoolExhausted:
                 request.table.free()
                 return
             request.new = n
+            request.registered = 0
             budget -= n
             running.append(waiting.pop(0))
             record.admitted.append(request.index)
             record.shared_tokens += shared
 
-    def _share_prefix(self, request: _Request, running: list[_Request]) -> int:
+    def _keys(self, request: _Request, n: int) -> list[int]:
+        """The chained hashes of the first n full blocks of ``request``'s tokens: block i's key
+        hashes its tokens and block i - 1's key (nano-vllm's), so equal keys mean equal
+        prefixes."""
+        bs = self.pool.block_size
+        while len(request.keys) < n:
+            i = len(request.keys)
+            chunk = tuple(request.tokens[i * bs:(i + 1) * bs])
+            request.keys.append(hash((request.keys[-1] if i else None, chunk)))
+        return request.keys[:n]
+
+    def _cached_prefix(self, request: _Request) -> list[int]:
+        """The blocks of the prefix cache that hold ``request``'s first full blocks, as far as
+        they are found; the last token is always fed (its logits give the next token)."""
+        bs, blocks = self.pool.block_size, []
+        for i, key in enumerate(self._keys(request, (len(request.tokens) - 1) // bs)):
+            block = self.pool.cached(key, request.tokens[i * bs:(i + 1) * bs])
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def _register_full_blocks(self, request: _Request) -> None:
+        """File every full block of ``request``'s table in the prefix cache, once."""
+        bs, full = self.pool.block_size, len(request.table) // self.pool.block_size
+        for i, key in enumerate(self._keys(request, full)[request.registered:],
+                                request.registered):
+            self.pool.register(request.table.blocks[i], key,
+                               tuple(request.tokens[i * bs:(i + 1) * bs]))
+        request.registered = full
+
+    def _share_prefix(self, request: _Request, running: list[_Request],
+                      longer_than: int = 0) -> int:
         """Share the blocks of the longest prefix ``request`` has in common with a running
-        request -> the number of tokens shared. A block being written in this step is shared
-        only when full: the copy-on-write copy of a partly filled block is taken before it."""
+        request, if longer than ``longer_than`` tokens -> the number of tokens shared (0: none).
+        A block being written in this step is shared only when full: the copy-on-write copy of
+        a partly filled block is taken before it."""
         if not self.share_prefixes:
             return 0
-        bs, best, donor = self.pool.block_size, 0, None
+        bs, best, donor = self.pool.block_size, longer_than, None
         for other in running:
             common = 0
             for a, b in zip(request.tokens[:-1], other.tokens[:len(other.table)]):
@@ -433,8 +498,9 @@ class Engine:
                 common = max(written_before, common // bs * bs)
             if common > best:
                 best, donor = common, other
-        if donor is not None:
-            request.table.share_prefix(donor.table, best)
+        if donor is None:
+            return 0
+        request.table.share_prefix(donor.table, best)
         return best
 
     def _forward(self, running: list[_Request]) -> Tensor:

@@ -303,3 +303,40 @@ def test_tables_and_lengths_of_other_types_are_refused_by_name(tables, lens, que
     k_pool, v_pool = randn(4, 1, 2, 3), randn(4, 1, 2, 3)
     with pytest.raises(ValueError, match=message):
         paged_attention(randn(1, 1, 1, 3), k_pool, v_pool, tables, lens, query_lens)
+
+
+# ---------------------------------------------------------------- the prefix cache
+
+def test_a_registered_block_stays_cached_after_it_is_freed_until_its_space_is_needed():
+    pool = pool_of(num_blocks=3)
+    a, b = pool.allocate(), pool.allocate()
+    pool.register(a, 11, (1, 2))
+    pool.register(b, 22, (3, 4))
+    pool.release(a)
+    pool.release(b)
+    assert pool.num_free == 3 and pool.num_cached_free == 2 and pool.num_used == 0
+    assert pool.cached(11, [1, 2]) == a and pool.cached(22, (3, 4)) == b
+    assert pool.cached(11, (1, 3)) is None                     # a colliding key is not a hit
+    c = pool.allocate()                                        # the never-registered block
+    assert c not in (a, b) and pool.evictions == 0
+    assert pool.allocate() == a                                # then the least recently freed
+    assert pool.cached(11, (1, 2)) is None and pool.evictions == 1
+    pool.take(b)                                               # taken back from the cache
+    assert pool.refcount[b] == 1 and pool.num_cached_free == 0
+    with pytest.raises(PoolExhausted):
+        pool.allocate()
+
+
+def test_a_freed_table_leaves_its_prefix_to_be_evicted_from_the_end():
+    pool = pool_of(num_blocks=4)
+    table = pool.new_table()
+    table.reserve(8)
+    first, second = table.blocks
+    pool.register(first, 1, (0,) * 4)
+    pool.register(second, 2, (1,) * 4)
+    table.free()
+    pool.allocate(), pool.allocate()                           # the two free blocks
+    assert pool.allocate() == second                           # the prefix's tail goes first
+    other = pool.new_table()
+    other.start_on([first])
+    assert other.blocks == [first] and len(other) == 4 and pool.refcount[first] == 1

@@ -405,18 +405,22 @@ def test_sampling_options_without_do_sample_warn_and_stay_greedy():
        block_size=st.sampled_from([1, 2, 4]), spare_blocks=st.integers(0, 20),
        budget=st.one_of(st.none(), st.integers(1, 12)),
        threshold=st.one_of(st.none(), st.integers(1, 6)),
-       max_batch=st.one_of(st.none(), st.integers(1, 4)), share=st.booleans())
+       max_batch=st.one_of(st.none(), st.integers(1, 4)), share=st.booleans(),
+       cache=st.booleans(), watermark=st.sampled_from([0.0, 0.2]))
 def test_requests_arriving_over_time_with_chunked_prefill_get_the_greedy_tokens(
-        name, picks, block_size, spare_blocks, budget, threshold, max_batch, share):
+        name, picks, block_size, spare_blocks, budget, threshold, max_batch, share, cache,
+        watermark):
     """Requests from a pool of prompts, each arriving at its own step, served with a token
-    budget per step (chunked prefill) or none, on pools that preempt or not."""
+    budget per step (chunked prefill) or none, with the prefix cache or not, a watermark or
+    none, on pools that preempt or not."""
     prompts = [POOL_PROMPTS[i] for i, _, _ in picks]
     limits = [n for _, n, _ in picks]
     arrivals = [a for _, _, a in picks]
     smallest = max(-(-(len(p) + n - 1) // block_size) for p, n in zip(prompts, limits))
     engine = Engine(model_of(name), block_size=block_size, num_blocks=smallest + spare_blocks,
                     max_batch=max_batch, share_prefixes=share, max_num_batched_tokens=budget,
-                    long_prefill_token_threshold=threshold)
+                    long_prefill_token_threshold=threshold, prefix_cache=cache,
+                    watermark=watermark)
     out = engine.generate(prompts, limits, arrivals=arrivals)
     assert out == [pool_reference(name)[i][:n] for i, n, _ in picks]
     arrived = {i: t for t, step in enumerate(engine.steps) for i in step.arrived}
@@ -426,6 +430,7 @@ def test_requests_arriving_over_time_with_chunked_prefill_get_the_greedy_tokens(
     if budget is not None:
         assert max(step.fed_tokens for step in engine.steps) <= budget
     assert held_blocks_at_end(engine) == (0, 0)
+    assert cache or engine.pool.num_cached_free == 0
 
 
 def test_a_long_prompt_is_fed_in_chunks_beside_the_decode_tokens():
@@ -502,3 +507,63 @@ def test_bad_arrivals_are_refused_by_name(options, message):
 def test_a_budget_below_one_token_is_refused(option):
     with pytest.raises(ValueError, match=option):
         Engine(model_of("MQA 4:1"), block_size=4, num_blocks=8, **{option: 0})
+
+
+# ---------------------------------------------------------------- prefix cache, admission
+
+def test_the_prefix_cache_serves_a_system_prompt_to_requests_that_come_after_it_ended():
+    model = model_of("GQA 4:2, RoPE")
+    rng = random.Random(4)
+    system = [rng.randrange(13) for _ in range(10)]             # 2 full blocks of 4, and 2
+    prompts = [system + [rng.randrange(13) for _ in range(rng.randint(1, 3))] for _ in range(4)]
+    expected = reference(model, prompts, 3)
+    engine = Engine(model, block_size=4, num_blocks=16, max_batch=1, prefix_cache=True)
+    assert engine.generate(prompts, 3) == expected
+    # one request at a time: nothing running to share with, every later one finds 2 blocks
+    assert [step.cache_hit_tokens for step in engine.steps if step.admitted] == [0, 8, 8, 8]
+    assert engine.pool.num_used == 0 and engine.pool.num_cached_free > 0
+    again = engine.generate(prompts[:1], 3)                    # a second call finds them too
+    assert again == expected[:1] and engine.steps[0].cache_hit_tokens == 8
+    off = Engine(model, block_size=4, num_blocks=16, max_batch=1)
+    assert off.generate(prompts, 3) == expected
+    assert sum(step.cache_hit_tokens for step in off.steps) == 0
+
+
+def test_a_cached_block_is_evicted_only_when_no_other_block_is_free():
+    model = model_of("MHA, learned positions")
+    first, other = [1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]
+    engine = Engine(model, block_size=4, num_blocks=4, prefix_cache=True)
+    assert engine.generate([first], 2) == reference(model, [first], 2)
+    assert engine.pool.num_cached_free == 2                     # blocks [1 2 3 4], [5 6 7 8]
+    assert engine.generate([other], 2) == reference(model, [other], 2)   # needs 3 blocks of 4
+    assert engine.pool.evictions == 1                          # the 2 never cached, then 1 LRU
+    engine.generate([first], 2)
+    assert engine.steps[0].cache_hit_tokens == 4               # the later block survived
+
+
+def test_the_watermark_keeps_blocks_free_at_admission():
+    model = model_of("MHA, learned positions")
+    prompts = [[1] * 9, [2] * 13]                               # 3 and 4 blocks of 4
+    expected = reference(model, prompts, 2)
+    plain = Engine(model, block_size=4, num_blocks=8)
+    assert plain.generate(prompts, 2) == expected
+    assert plain.steps[0].admitted == [0, 1]                    # 7 of 8 blocks
+    held = Engine(model, block_size=4, num_blocks=8, watermark=0.25)      # 2 blocks kept free
+    assert held.generate(prompts, 2) == expected
+    assert held.steps[0].admitted == [0]
+
+
+def test_first_come_first_served_holds_a_small_request_behind_a_large_one():
+    model = model_of("MHA, learned positions")
+    prompts = [[1] * 9, [2] * 21, [3]]                          # 3, 6 and 1 blocks of 4
+    engine = Engine(model, block_size=4, num_blocks=8)
+    assert engine.generate(prompts, [4, 2, 2]) == reference(model, prompts, [4, 2, 2])
+    admitted = {i: t for t, step in enumerate(engine.steps) for i in step.admitted}
+    assert admitted[0] == 0 and admitted[1] > 0                 # 6 blocks wait for 0 to end
+    assert admitted[2] == admitted[1]                           # 1 block would fit, yet waits
+
+
+@pytest.mark.parametrize("watermark", [-0.1, 1.0, True, "0.1"])
+def test_a_watermark_outside_zero_to_one_is_refused(watermark):
+    with pytest.raises(ValueError, match="watermark must be a share"):
+        Engine(model_of("MQA 4:1"), block_size=4, num_blocks=8, watermark=watermark)
