@@ -289,15 +289,16 @@ register(Exercise(
 
 QK_NORM_HEADS_GIVEN = '''\
 def qk_norm_heads(q, k, v, q_gain, k_gain):
-    """Causal attention with QK-norm, on heads laid out as the projections give them.
+    """Causal attention with QK-norm, on heads laid out as the projections give
+    them.
 
     q, k: (B, T, H, D); v: (B, T, H, Dv); q_gain, k_gain: (D,) -> (B, T, H, Dv).
     """
     head_dim = q.shape[-1]
-    q = q * head_dim ** -0.5                  # fold the softmax's 1/sqrt(D) into the queries
+    q = q * head_dim**-0.5  # fold the softmax's 1/sqrt(D) into the queries
     q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * q_gain
     k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * k_gain
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k)            # (B, H, T, T)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k)  # (B, H, T, T)
     t = scores.shape[-1]
     future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
     weights = scores.masked_fill(future, float("-inf")).softmax(dim=-1)

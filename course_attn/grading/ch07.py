@@ -196,10 +196,16 @@ def grouped_attention(q, k, v):
     """
     b, h, tq, d = q.shape
     hkv = k.shape[1]
-    # each KV head's query heads, stacked along the query axis: (B, Hkv, H / Hkv · Tq, D)
-    q = q.reshape(b, h // hkv, hkv, tq, d).transpose(1, 2).reshape(b, hkv, -1, d)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d)     # each KV head read once, where it is
-    out = scores.softmax(dim=-1) @ v                    # (B, Hkv, H / Hkv · Tq, Dv)
+    # each KV head's query heads, stacked along the query axis:
+    # (B, Hkv, H / Hkv · Tq, D)
+    q = (
+        q.reshape(b, h // hkv, hkv, tq, d)
+        .transpose(1, 2)
+        .reshape(b, hkv, -1, d)
+    )
+    # each KV head read once, where it is
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d)
+    out = scores.softmax(dim=-1) @ v  # (B, Hkv, H / Hkv · Tq, Dv)
     out = out.reshape(b, hkv, h // hkv, tq, -1).transpose(1, 2)
     return out.reshape(b, h, tq, -1)
 '''
