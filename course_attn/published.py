@@ -59,6 +59,13 @@ _H200 = ("NVIDIA H200 Tensor Core GPU datasheet, specifications table, H200 SXM 
          "(BF16 Tensor Core 1,979 TFLOPS with sparsity, as the H100 SXM's, whose dense figure "
          "is 989.4 in the H100 whitepaper's table; GPU memory bandwidth 4.8 TB/s)")
 
+# Memory and the host link, from the same datasheets' specifications tables. PCIe Gen5 x16 is
+# 128 GB/s counting both directions: a copy one way (a swap out, or in) has half of it.
+_H100_MEMORY = ("NVIDIA H100 Tensor Core GPU datasheet, specifications table, H100 SXM column: "
+                "GPU memory 80GB; interconnect PCIe Gen5: 128GB/s")
+_H200_MEMORY = ("NVIDIA H200 Tensor Core GPU datasheet, specifications table, H200 SXM column: "
+                "GPU memory 141GB; interconnect PCIe Gen5: 128GB/s")
+
 FACTS: tuple[Fact, ...] = (
     # Llama 2 7B: multi-head attention, RoPE at base 10000
     Fact("Llama 2 7B", "hidden_size", 4096, _LLAMA2),
@@ -137,6 +144,11 @@ FACTS: tuple[Fact, ...] = (
     Fact("H100 SXM", "hbm_bandwidth_tb_s", 3.35, _H100),
     Fact("H200 SXM", "bf16_dense_tflops", 989.4, _H200),
     Fact("H200 SXM", "hbm_bandwidth_tb_s", 4.8, _H200),
+    # GPUs: memory (decimal GB, as the datasheets give it) and the PCIe link to the host
+    Fact("H100 SXM", "memory_gb", 80, _H100_MEMORY),
+    Fact("H100 SXM", "pcie_gb_s_both_ways", 128, _H100_MEMORY),
+    Fact("H200 SXM", "memory_gb", 141, _H200_MEMORY),
+    Fact("H200 SXM", "pcie_gb_s_both_ways", 128, _H200_MEMORY),
 )
 
 

@@ -117,3 +117,17 @@ def test_a_gpu_figure_is_the_one_its_source_prints(gpu):
         figure = f"{value(gpu, field):g}"
         assert figure in published.source(gpu, field), (gpu, field, figure)
     assert value(gpu, "bf16_dense_tflops") != 1979 / 2
+
+
+def test_serving_capacity_the_chapter_computes():
+    # Llama 3 8B in bfloat16: 128 KiB of keys and values per token, 1 GiB for 8K tokens; its
+    # weights (16 GB) fit on both GPUs with room for dozens of such sequences (chapter 12)
+    c = config("Llama 3 8B")
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2
+    assert per_token == 128 * 1024
+    assert per_token * c["max_position_embeddings"] == 2**30
+    for gpu, lo, hi in [("H100 SXM", 55, 65), ("H200 SXM", 110, 125)]:
+        free = value(gpu, "memory_gb") * 1e9 - 8.03e9 * 2
+        assert lo < free / 2**30 < hi, gpu
+        assert value(gpu, "pcie_gb_s_both_ways") == 128
