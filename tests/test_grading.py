@@ -548,6 +548,31 @@ def test_every_cell_without_metadata_the_course_cells_are_found_by_their_source(
     assert setup == [1] and restored.label(1) == "cell 2"
 
 
+def test_course_cells_formatted_otherwise_are_the_course_cells():
+    """A student's copy made before the course re-formatted its cells (issue 45: solutions/ to
+    80 columns) holds the protected cells as they were written then: the same code, so nothing
+    is flagged, and they are not read as the student's code."""
+    import ast
+
+    import course_fixture_ch99  # noqa: F401 (the exercises of the fixture's chapter)
+    canonical = load_canonical(FIXTURE_SOLUTIONS / FIXTURE)
+    nb = nbformat.read(FIXTURES / "exercises" / FIXTURE, as_version=4)
+    protected = [c for c in nb.cells if grade_id(c) in canonical.protected]
+    for cell in protected:  # other quotes and spacing, the comments dropped
+        cell.source = ast.unparse(ast.parse(cell.source))
+    assert all(c.source != canonical.protected[grade_id(c)].source for c in protected)
+    course_cells = {i for i, c in enumerate(nb.cells) if grade_id(c) in canonical.protected}
+    assert not course_cells & {i for i, _ in students_code(nb, canonical)}
+    restored = restore_protected_cells(nb, canonical)
+    assert restored.flags == [] and set(restored.placed) == set(POINTS)
+    # a change to what the code does is still one
+    nb = nbformat.read(FIXTURES / "exercises" / FIXTURE, as_version=4)
+    check_cell = next(c for c in nb.cells if grade_id(c) == "ch99-double")
+    check_cell.source = check_cell.source.replace("double)", "lambda x: 2 * x)")
+    assert restore_protected_cells(nb, canonical).flags == [
+        "check cell ch99-double (cell 5) was modified; the original was run"]
+
+
 def test_the_canonical_notebook_names_its_exercises_and_points():
     canonical = load_canonical(FIXTURE_SOLUTIONS / FIXTURE)
     assert {e.grade_id: e.points for e in canonical.exercises} == POINTS

@@ -3,6 +3,7 @@ cells go back in, matched by ``grade_id``, as nbgrader's ``OverwriteCells`` does
 changed, deleted or repeated is flagged (a repeated protected cell is not run). Solution cells
 are never touched."""
 
+import ast
 import copy
 from dataclasses import dataclass
 
@@ -13,9 +14,30 @@ from .cells import grade_id, is_grade_cell, nbgrader_metadata
 
 
 def _same_source(a: str, b: str) -> bool:
+    """The same lines, or the same code formatted otherwise: a student's copy of an exercise
+    notebook made before the course re-formatted a cell holds the cell as it was written then."""
     def normalise(s):
         return [line.rstrip() for line in s.strip().splitlines()]
-    return normalise(a) == normalise(b)
+    if normalise(a) == normalise(b):
+        return True
+    code = _code(a)
+    return code is not None and code == _code(b)
+
+
+def _code(source: str) -> str | None:
+    """``source``'s syntax tree, docstrings compared word by word; None where it does not parse
+    (an IPython magic, a cell left half written)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            body[0].value.value = " ".join(body[0].value.value.split())
+    return ast.dump(tree)
 
 
 def _grading_fields(cell) -> dict:
