@@ -338,10 +338,10 @@ def test_no_serious_or_critical_accessibility_violation(read, page):
         assert not violations, f"{page} ({scheme} mode), axe-core: " + "; ".join(violations)
 
 
-# The exercise notebooks are generated from solutions/, whose code is still written to 100
-# columns: formatting it changes the protected cells a student's copy is compared with, so it
-# waits for its own change (issue 45). Strict: a page that comes to fit fails here until listed.
-NOT_FITTED_YET = set(EXERCISE_PAGES)
+# The exercise notebooks are generated from solutions/, whose code is formatted to 80 columns
+# chapter by chapter (issue 45); these two chapters' solutions were being changed when the others
+# were formatted. Strict: a page that comes to fit fails here until it leaves the set.
+NOT_FITTED_YET = {"exercises/04_multi_head.html", "exercises/09_flash_attention.html"}
 
 
 @pytest.mark.parametrize("page", [
