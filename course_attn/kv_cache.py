@@ -20,6 +20,11 @@ is fixed however long the generation runs (Mistral's rolling buffer). StreamingL
 sinks are an option: the first ``sinks`` tokens keep slots of their own and stay visible to every
 later query.
 
+``StaticKVCache`` is the ``KVCache`` of a compiled decode step (gpt-fast's recipe): the same
+buffers, but where to write is a tensor, not a Python int, and every step attends to the whole
+buffer, the slots not written yet hidden by a mask. A step's shapes and Python values are then
+the same at every position, so ``torch.compile`` traces it once for all of them.
+
 Both share one protocol, so that an attention layer never asks which one it holds:
 ``cache.append(k_new, v_new, attn_mask=..., is_causal=..., window=...)`` stores the new keys and
 values and returns a ``CacheView``: every key and value the new queries attend to, and the
@@ -34,7 +39,7 @@ from torch import Tensor
 from .arguments import check_non_negative_ints, check_positive_ints
 from .masks import band_mask
 
-__all__ = ["CacheView", "KVCache", "RollingKVCache", "is_kv_cache"]
+__all__ = ["CacheView", "KVCache", "RollingKVCache", "StaticKVCache", "is_kv_cache"]
 
 
 class CacheView(NamedTuple):
@@ -50,7 +55,8 @@ class CacheView(NamedTuple):
 
 
 def is_kv_cache(obj) -> bool:
-    """Whether ``obj`` is one of this module's caches (a ``KVCache`` or a ``RollingKVCache``)."""
+    """Whether ``obj`` is one of this module's caches (``KVCache``, ``RollingKVCache``,
+    ``StaticKVCache``)."""
     return isinstance(obj, _KVBuffers)
 
 
@@ -163,6 +169,92 @@ class KVCache(_KVBuffers):
                 else f"head_dim={self.head_dim}, value_dim={self.value_dim}")
         return (f"KVCache(batch_size={self.batch_size}, n_kv_heads={self.n_kv_heads}, "
                 f"length={self.length}/{self.max_seq_len}, {dims}, dtype={self.dtype}, "
+                f"device={self.device})")
+
+
+class StaticKVCache(_KVBuffers):
+    """``KVCache``'s buffers, (B, Hkv, max_seq_len, D) each, for a decode step that
+    ``torch.compile`` traces once: the position of the next token is a tensor, ``next_position``
+    (0-d long), never a Python int, and ``append`` returns the whole buffers with a mask.
+
+    ``append(k_new, v_new)`` writes the T_new new tokens at positions ``next_position + 0 ..
+    T_new - 1`` (``index_copy_``, in place), moves ``next_position`` on by T_new (in place too),
+    and returns every slot: S = max_seq_len, and the mask (T_new, S), or (B, 1, T_new, S) with an
+    ``attn_mask``, in which new token i sees slot j when j <= its position (``is_causal``; else
+    every slot written), within ``window`` positions of it when given, and allowed by
+    ``attn_mask`` (a bool (B, 1, 1, S') padding mask; S' < S is padded with True). The
+    slots past the last position are hidden, never read as zeros. The mask is computed from
+    ``slots`` (the position of each slot, made once), O(T_new·S), not sliced from an (S, S)
+    table: gpt-fast's table would take S² bytes, 1 GiB at S = 32K.
+
+    ``positions(t)`` (t,): where the next t tokens go, as a tensor (RoPE's positions in a
+    compiled step); ``len(cache)`` reads ``next_position`` back as an int (a device sync: for
+    eager code, never inside the compiled step). For inference only; bad shapes, dtypes or
+    devices raise ``ValueError`` as ``KVCache``'s, and so does writing past ``max_seq_len``
+    outside a compiled step (inside one nothing is checked: its caller checks the length).
+    """
+
+    def __init__(self, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int, *,
+                 value_dim: int | None = None, dtype: torch.dtype = torch.float32, device=None):
+        value_dim = head_dim if value_dim is None else value_dim
+        check_positive_ints(batch_size=batch_size, n_kv_heads=n_kv_heads,
+                            max_seq_len=max_seq_len, head_dim=head_dim, value_dim=value_dim)
+        super().__init__(batch_size, n_kv_heads, max_seq_len, head_dim, value_dim, dtype, device)
+        self.max_seq_len = max_seq_len
+        self.slots = torch.arange(max_seq_len, device=self.device)                  # (S,)
+        self.next_position = torch.zeros((), dtype=torch.long, device=self.device)
+
+    def __len__(self) -> int:
+        return int(self.next_position)
+
+    def positions(self, t: int) -> Tensor:
+        """(t,) long: the positions the next t tokens are written at."""
+        return self.next_position + self.slots[:t]
+
+    def append(self, k_new: Tensor, v_new: Tensor, *, attn_mask: Tensor | None = None,
+               is_causal: bool = True, window: int | None = None) -> CacheView:
+        """Write k_new, v_new (B, Hkv, T_new, D) at ``positions(T_new)`` -> a ``CacheView`` of
+        every slot, (B, Hkv, max_seq_len, D), with the mask that says which each new query
+        sees (is_causal False and window None: the mask says it all)."""
+        self._check("k_new", k_new, self.head_dim)
+        self._check("v_new", v_new, self.value_dim)
+        t_new = k_new.shape[2]
+        if v_new.shape[2] != t_new:
+            raise ValueError(f"k_new has T_new={t_new} positions but v_new has {v_new.shape[2]}")
+        if t_new > self.max_seq_len:
+            raise ValueError(f"{t_new} new tokens do not fit in max_seq_len={self.max_seq_len}")
+        if not torch.compiler.is_compiling() and len(self) + t_new > self.max_seq_len:
+            raise ValueError(f"the cache holds {len(self)} of max_seq_len={self.max_seq_len} "
+                             f"positions; {t_new} more would need {len(self) + t_new}")
+        queries = self.positions(t_new)                                          # (T_new,)
+        self.k.index_copy_(2, queries, k_new)
+        self.v.index_copy_(2, queries, v_new)
+        self.next_position.add_(t_new)
+        if is_causal:
+            seen = self.slots[None, :] <= queries[:, None]                       # (T_new, S)
+        else:
+            seen = (self.slots < self.next_position).expand(t_new, -1)
+        if window is not None:
+            seen = seen & (self.slots[None, :] > queries[:, None] - window)
+        if attn_mask is not None:
+            if attn_mask.dtype != torch.bool:
+                raise ValueError(f"a StaticKVCache takes a bool attn_mask, got {attn_mask.dtype}")
+            missing = self.max_seq_len - attn_mask.shape[-1]
+            if missing:
+                attn_mask = torch.cat([attn_mask, attn_mask.new_ones(
+                    *attn_mask.shape[:-1], missing)], dim=-1)
+            seen = seen & attn_mask
+        return CacheView(self.k, self.v, seen, False, None)
+
+    def reset(self) -> None:
+        """Forget every position (the buffers stay allocated): the next append writes at 0."""
+        self.next_position.zero_()
+
+    def __repr__(self) -> str:
+        dims = (f"head_dim={self.head_dim}" if self.value_dim == self.head_dim
+                else f"head_dim={self.head_dim}, value_dim={self.value_dim}")
+        return (f"StaticKVCache(batch_size={self.batch_size}, n_kv_heads={self.n_kv_heads}, "
+                f"length={len(self)}/{self.max_seq_len}, {dims}, dtype={self.dtype}, "
                 f"device={self.device})")
 
 

@@ -199,4 +199,6 @@ def dead_rows(mask: Tensor | None) -> Tensor | None:
         return None
     blocked = ~mask if mask.dtype == torch.bool else mask == float("-inf")
     dead = blocked.all(dim=-1, keepdim=True)
+    if torch.compiler.is_compiling():        # a traced graph cannot branch on values: filling
+        return dead                          # rows with an all-False mask changes nothing
     return dead if bool(dead.any()) else None

@@ -14,6 +14,8 @@ With a KV cache per layer (``model.new_caches``), ``model(idx, caches=caches)`` 
 new tokens and attends to everything cached before them: ``generate`` prefills the prompt once,
 then feeds one token per step (chapter 8). A model with a ``window`` may keep a rolling cache per
 layer instead (``model.new_rolling_caches``, chapter 11): fixed memory, however long the sequence.
+``generate(..., compile=True)`` runs each decode step through ``torch.compile`` with a
+``StaticKVCache`` per layer (``model.new_static_caches``): gpt-fast's recipe.
 """
 
 import warnings
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .arguments import check_non_negative_ints, check_positive_ints
-from .kv_cache import KVCache, RollingKVCache, is_kv_cache
+from .kv_cache import KVCache, RollingKVCache, StaticKVCache, is_kv_cache
 from .multihead import MultiHeadAttention
 
 __all__ = ["GPT", "GPTConfig", "GenerationConfig", "generate", "queries_keys_values"]
@@ -169,14 +171,27 @@ class GPT(nn.Module):
         return [block.attn.new_rolling_cache(batch_size, sinks=sinks, dtype=dtype, device=device)
                 for block in self.blocks]
 
+    def new_static_caches(self, batch_size: int, max_seq_len: int | None = None, *,
+                          dtype: torch.dtype | None = None, device=None) -> list[StaticKVCache]:
+        """One empty ``StaticKVCache`` per layer, each (B, Hkv, max_seq_len, D) for keys and
+        values: the caches of a compiled decode step. Defaults as ``new_caches``."""
+        max_seq_len = self.config.seq_len if max_seq_len is None else max_seq_len
+        caches = []
+        for block in self.blocks:
+            attn, weight = block.attn, block.attn.k_proj.weight
+            caches.append(StaticKVCache(batch_size, attn.n_kv_heads, max_seq_len, attn.head_dim,
+                                        dtype=weight.dtype if dtype is None else dtype,
+                                        device=weight.device if device is None else device))
+        return caches
+
     def generate(self, idx: Tensor, max_new_tokens: int, **options) -> Tensor:
         """``generate(self, idx, max_new_tokens, **options)``, as transformers' method."""
         return generate(self, idx, max_new_tokens, **options)
 
     def forward(self, idx: Tensor, *, caches: list[KVCache | RollingKVCache] | None = None,
                 return_attention: bool = False, last_only: bool = False,
-                attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None) -> Tensor | tuple[Tensor, list[Tensor]]:
+                attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+                head: Tensor | None = None) -> Tensor | tuple[Tensor, list[Tensor]]:
         """idx: (B, T) long -> logits (B, T, V); with ``return_attention`` also, for each layer,
         its attention weights (B, H, T, S). ``last_only``: the logits of the last position only,
         (B, 1, V), all that generation reads (the output layer is the largest product of a
@@ -185,13 +200,17 @@ class GPT(nn.Module):
         ``attention_mask`` (B, S) bool or 0/1, as transformers': False/0 for a key to ignore
         (left padding), for every token cached and new. ``position_ids`` (B, T): the positions
         of learned position embeddings, when they are not the slots (left padding); RoPE reads
-        the slots, as only differences of positions reach its scores.
+        the slots, as only differences of positions reach its scores. ``head`` (C, V): the
+        LM head's weight, transposed, to use in place of ``lm_head`` (``generate`` passes one
+        laid out for speed).
 
         ``caches`` (one ``KVCache`` per layer, from ``new_caches``): idx holds the next T tokens
         of sequences whose first len(caches[0]) tokens are cached; they sit at positions
         len .. len + T - 1, their keys and values are appended, and S = len + T. Rolling caches
-        (``new_rolling_caches``) work the same way, S being then what they hold. Without caches,
-        S = T and the tokens sit at 0 .. T - 1.
+        (``new_rolling_caches``) work the same way, S being then what they hold, and so do
+        static ones (``new_static_caches``: S is their max_seq_len, attention_mask may be given
+        for the first len + T slots only). Without caches, S = T and the tokens sit at
+        0 .. T - 1.
         """
         if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.dtype != torch.long:
             raise ValueError("idx must be a (B, T) torch.long tensor, got "
@@ -231,16 +250,27 @@ class GPT(nn.Module):
                                      if isinstance(attention_mask, Tensor)
                                      else type(attention_mask).__name__))
             keys = attention_mask.bool()[:, None, None, :]                 # (B, 1, 1, S)
+        # positions from the cache were checked above; given ones are read here (not on the meta
+        # device, which holds no values: FLOP counts run the model there)
+        if (self.position_embedding is not None and position_ids is not None
+                and not position_ids.is_meta and int(position_ids.max()) >= self.config.seq_len):
+            raise ValueError(f"position {int(position_ids.max())} is past seq_len="
+                             f"{self.config.seq_len} (learned positions stop at seq_len)")
+        return self._run(idx, positions, caches, keys, position_ids, last_only=last_only,
+                         return_attention=return_attention, head=head)
+
+    def _run(self, idx: Tensor, positions: Tensor, caches: list | None, keys: Tensor | None,
+             position_ids: Tensor | None, *, last_only: bool = False,
+             return_attention: bool = False,
+             head: Tensor | None = None) -> Tensor | tuple[Tensor, list[Tensor]]:
+        """``forward``'s computation, its arguments checked: idx (B, T) at ``positions`` (T,)
+        (a tensor: a compiled step reads them from its static caches), ``keys`` (B, 1, 1, S)
+        bool or None, ``position_ids`` (B, T) or None. No Python value in here depends on the
+        position, so that ``torch.compile`` traces a decode step once (which calls this, not
+        the module: forward hooks do not see a compiled step). ``head``: as ``forward``'s."""
         x = self.token_embedding(idx)                                        # (B, T, C)
         if self.position_embedding is not None:
-            learned = positions if position_ids is None else position_ids
-            # positions from the cache were checked above; given ones are read here (not on
-            # the meta device, which holds no values: FLOP counts run the model there)
-            if position_ids is not None and not learned.is_meta and \
-                    int(learned.max()) >= self.config.seq_len:
-                raise ValueError(f"position {int(learned.max())} is past seq_len="
-                                 f"{self.config.seq_len} (learned positions stop at seq_len)")
-            x = x + self.position_embedding(learned)
+            x = x + self.position_embedding(positions if position_ids is None else position_ids)
         attention = []
         for i, block in enumerate(self.blocks):
             x, weights = block(x, positions=positions, return_weights=return_attention,
@@ -248,7 +278,8 @@ class GPT(nn.Module):
             attention.append(weights)
         if last_only:
             x = x[:, -1:]
-        logits = self.lm_head(self.final_norm(x))                            # (B, T, V)
+        x = self.final_norm(x)
+        logits = self.lm_head(x) if head is None else x @ head               # (B, T, V)
         return (logits, attention) if return_attention else logits
 
 
@@ -298,20 +329,76 @@ def _next_token(logits: Tensor, do_sample: bool, temperature: float, top_k: int 
     return torch.multinomial(F.softmax(scores, dim=-1), 1, generator=generator)
 
 
-def _cache_and_predict(model: GPT, tokens: Tensor, caches: list[KVCache], chunk: int | None,
-                       mask: Tensor | None, positions: Tensor | None) -> Tensor:
+def _cache_and_predict(model: GPT, tokens: Tensor, caches: list, chunk: int | None,
+                       mask: Tensor | None, positions: Tensor | None,
+                       head: Tensor | None) -> Tensor:
     """Run tokens (B, T) through the model, appending their keys and values to the caches,
     ``chunk`` tokens per forward (all at once for None) -> the logits after the last, (B, V):
-    the prefill of a prompt, and each decode step's one new token. ``mask`` (B, S): which of
-    the cached and new tokens are real (None: all); ``positions`` (B, T): learned positions."""
+    the prefill of a prompt, and each eager decode step's one new token. ``mask`` (B, S): which
+    of the cached and new tokens are real (None: all); ``positions`` (B, T): learned positions;
+    ``head``: ``_decode_head``'s."""
     chunk = tokens.shape[1] if chunk is None else chunk
     cached = len(caches[0])
     for start in range(0, tokens.shape[1], chunk):
         end = min(start + chunk, tokens.shape[1])
         logits = model(tokens[:, start:end], caches=caches, last_only=True,    # (B, 1, V)
                        attention_mask=None if mask is None else mask[:, :cached + end],
-                       position_ids=None if positions is None else positions[:, start:end])
+                       position_ids=None if positions is None else positions[:, start:end],
+                       head=head)
     return logits[:, -1]
+
+
+def _decode_head(model: GPT) -> Tensor | None:
+    """The LM head's weight transposed and made contiguous, (C, V), for generate; None to keep
+    ``lm_head`` (a bias, or not float32 on the CPU).
+
+    One token's logits are a (1, C) x (C, V) product that reads all V·C weights; on the CPU in
+    float32, MKL does it 2.6x faster from a (C, V) weight than from nn.Linear's (V, C) (measured,
+    one thread, V = 32000, C = 384: 1.9 ms against 4.9 ms, a third of a 20M Llama's decode
+    step), while in float16 it is 6.7x slower and in bfloat16 no faster. The copy (V·C, once
+    per generate) is made for float32 on the CPU only."""
+    weight = model.lm_head.weight
+    if (type(model.lm_head) is not nn.Linear or model.lm_head.bias is not None
+            or weight.device.type != "cpu" or weight.dtype != torch.float32):
+        return None
+    return weight.t().contiguous()
+
+
+def _decode_step(model: GPT, token: Tensor, caches: list[StaticKVCache], keys: Tensor | None,
+                 positions: Tensor | None, head: Tensor | None) -> Tensor:
+    """One decode step on static caches, what ``generate(compile=True)`` compiles: token (B, 1)
+    -> logits (B, V), its keys and values written at the caches' next position. ``keys``
+    (B, 1, 1, S) bool: the real tokens among the S slots (None: all); ``positions`` (B, 1):
+    learned positions (None: the slots')."""
+    return model._run(token, caches[0].positions(1), caches, keys, positions, last_only=True,
+                      head=head)[:, -1]
+
+
+_compiled_step = None
+
+
+def compiled_decode_step():
+    """``_decode_step`` through ``torch.compile`` (Inductor), made once per process:
+    ``fullgraph=True``, so a graph break is an error, never a silent split, and
+    ``dynamic=False``, so each model and shape (batch, cache length) compiles its own step, once
+    for every position (the position is a tensor; nothing in the step reads it as an int).
+    Dynamo keeps at most ``torch._dynamo.config.recompile_limit`` (8) of them; with fullgraph,
+    one more is an error, never a fall back to eager."""
+    global _compiled_step
+    if _compiled_step is None:
+        _compiled_step = torch.compile(_decode_step, fullgraph=True, dynamic=False)
+    return _compiled_step
+
+
+STATIC_CACHE_BLOCK = 128   # a compiled step's cache length is rounded up to a multiple of this
+
+
+def _rope_table(model: GPT) -> int | None:
+    """The positions every layer's RoPE table covers (None: no RoPE): a compiled step reads the
+    table without checking the range (a check would read the position back as an int)."""
+    tables = [block.attn.rotary.max_seq_len for block in model.blocks
+              if block.attn.rotary is not None]
+    return min(tables) if tables else None
 
 
 def _token_ids(value, name: str) -> tuple[int, ...]:
@@ -376,7 +463,7 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, do_sample: bool = 
              generator: torch.Generator | None = None, eos_token_id=None,
              pad_token_id: int | None = None, attention_mask: Tensor | None = None,
              use_cache: bool = True, prefill_chunk: int | None = None, rolling: bool = False,
-             sinks: int = 0) -> Tensor:
+             sinks: int = 0, compile: bool = False) -> Tensor:
     """Extend idx (B, T) by at most ``max_new_tokens`` tokens -> (B, T + n), n <= max_new_tokens.
 
     Transformers' conventions, under its names: greedy (the most likely token) unless
@@ -413,6 +500,15 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, do_sample: bool = 
     prefilled and nothing restarts: every token stays at its own position, memory stays fixed,
     and with RoPE the sequence may grow past ``seq_len`` (learned positions: ValueError). With
     ``sinks=0`` this gives the tokens of the full cache with the window mask.
+
+    ``compile=True`` (gpt-fast's recipe): one ``StaticKVCache`` per layer, its length the
+    prompt's and the new tokens' rounded up to ``STATIC_CACHE_BLOCK``; the prompt is prefilled
+    eagerly, then every decode step runs ``compiled_decode_step()``, which ``torch.compile``
+    traces once per model and shape (the first call takes seconds; later calls of the same
+    shapes reuse it), with no graph break. The tokens are the eager ones (up to float
+    rounding). It needs the cache (not ``use_cache=False`` or ``rolling``) and the whole
+    sequence within ``seq_len`` for the course's own models (they slide past it) and within
+    the RoPE table for checkpoints: ValueError otherwise.
     """
     mask = _check_prompt(idx, attention_mask)
     check_non_negative_ints(max_new_tokens=max_new_tokens)
@@ -434,6 +530,8 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, do_sample: bool = 
         raise ValueError(f"sinks={sinks} are kept by a rolling cache: pass rolling=True too")
     if rolling and not use_cache:
         raise ValueError("rolling=True asks for a rolling KV cache, but use_cache=False")
+    if compile:
+        _check_compile(model, idx.shape[1] + max_new_tokens - 1, use_cache, rolling)
     if rolling and mask is not None:
         raise ValueError("rolling=True keeps no padding mask: generate padded prompts with "
                          "rolling=False, or one prompt at a time")
@@ -464,8 +562,25 @@ def generate(model: GPT, idx: Tensor, max_new_tokens: int, *, do_sample: bool = 
     with torch.inference_mode():
         out = _generate(model, idx, max_new_tokens, _Sampling(
             do_sample, temperature, top_k, top_p, generator), eos, pad, mask, use_cache,
-            prefill_chunk, sinks if rolling else None)
+            prefill_chunk, sinks if rolling else None, compile)
     return out.clone()
+
+
+def _check_compile(model: GPT, length: int, use_cache: bool, rolling: bool) -> None:
+    """ValueError (one line) unless ``generate(compile=True)`` can hold a sequence of
+    ``length`` tokens (the prompt and every new token but the last) in static caches."""
+    if not use_cache or rolling:
+        raise ValueError("compile=True compiles the decode step of a static KV cache: it needs "
+                         "use_cache=True and rolling=False")
+    if model.past_seq_len == "slide" and length > model.config.seq_len:
+        raise ValueError(f"compile=True keeps the whole sequence, {length} tokens, but this "
+                         f"model slides its window past seq_len={model.config.seq_len}: "
+                         "generate fewer tokens, or compile=False")
+    table = _rope_table(model)
+    if table is not None and length > table:
+        raise ValueError(f"compile=True reads RoPE's table of {table} positions without a "
+                         f"check, but the sequence reaches position {length - 1}: generate "
+                         "fewer tokens, or compile=False")
 
 
 @dataclass(frozen=True)
@@ -492,13 +607,14 @@ def _learned_positions(mask: Tensor | None, model: GPT) -> Tensor | None:
 
 
 def _generate(model, idx, max_new_tokens, sample, eos, pad, mask, use_cache, prefill_chunk,
-              rolling_sinks) -> Tensor:
+              rolling_sinks, compiled) -> Tensor:
     """``generate``'s loop, its arguments checked; ``rolling_sinks`` is None for full caches,
-    ``mask`` (B, T) None without padding."""
+    ``mask`` (B, T) None without padding, ``compiled``: static caches and the compiled step."""
+    head = _decode_head(model)
     # a window slides over the last seq_len tokens, unless a rolling cache keeps every token
     # at its own position (fixed memory, past seq_len for ever)
     context = model.config.seq_len if model.past_seq_len == "slide" and rolling_sinks is None \
-        else None
+        and not compiled else None      # (compile=True was refused a sequence past seq_len)
     if eos:                          # which rows have ended; nothing to track without an end
         end_ids = torch.tensor(eos, dtype=torch.long, device=idx.device)
         finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
@@ -521,7 +637,8 @@ def _generate(model, idx, max_new_tokens, sample, eos, pad, mask, use_cache, pre
             seen = window(idx.shape[1])
             part = None if mask is None else mask[:, seen]
             logits = model(idx[:, seen], last_only=True, attention_mask=part,
-                           position_ids=_learned_positions(part, model))[:, -1]   # (B, V)
+                           position_ids=_learned_positions(part, model),
+                           head=head)[:, -1]                                       # (B, V)
             idx, _ = append(idx, logits)
             if eos and finished.all():
                 break
@@ -531,6 +648,13 @@ def _generate(model, idx, max_new_tokens, sample, eos, pad, mask, use_cache, pre
     b = idx.shape[0]
     if rolling_sinks is not None:         # fixed memory, every token at its own position
         caches = model.new_rolling_caches(b, sinks=rolling_sinks, device=idx.device)
+    elif compiled:
+        length = idx.shape[1] + max_new_tokens - 1
+        slots = -(-length // STATIC_CACHE_BLOCK) * STATIC_CACHE_BLOCK
+        caches = model.new_static_caches(b, slots, device=idx.device)
+        step = compiled_decode_step()
+        keys = None if mask is None else F.pad(mask[:, :idx.shape[1]], (
+            0, slots - idx.shape[1]), value=True)[:, None, None, :]        # (B, 1, 1, slots)
     else:
         capacity = idx.shape[1] + max_new_tokens - 1
         caches = model.new_caches(b, capacity if context is None else min(capacity, context),
@@ -538,15 +662,18 @@ def _generate(model, idx, max_new_tokens, sample, eos, pad, mask, use_cache, pre
     start = window(idx.shape[1]).start        # where the cached tokens begin in idx
     pending = idx[:, start:]                  # tokens whose keys are not cached yet
     positions = _learned_positions(None if mask is None else mask[:, start:idx.shape[1]], model)
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
         if context is not None and len(caches[0]) + pending.shape[1] > context:
             for cache in caches:              # the model's context slides: start afresh (never
                 cache.reset()                 # with a padded batch: generate refuses it)
             start = window(idx.shape[1]).start
             pending = idx[:, start:]
-        logits = _cache_and_predict(model, pending, caches, prefill_chunk,
-                                    None if mask is None else mask[:, start:],
-                                    positions)                                     # (B, V)
+        if compiled and i:                    # a decode step (the prefill runs eagerly)
+            logits = step(model, pending, caches, keys, positions, head)          # (B, V)
+        else:
+            logits = _cache_and_predict(model, pending, caches, prefill_chunk,
+                                        None if mask is None else mask[:, start:],
+                                        positions, head)                           # (B, V)
         if positions is not None:
             positions = positions[:, -1:] + 1             # the next token's, after the last
         idx, pending = append(idx, logits)

@@ -151,6 +151,8 @@ class RotaryEmbedding(nn.Module):
                              + (f"{positions.dtype} of shape {tuple(positions.shape)}"
                                 if isinstance(positions, Tensor) else type(positions).__name__))
         positions = positions.to(self.cos_cached.device)
+        if torch.compiler.is_compiling():    # a compiled decode step (model.generate's), whose
+            return self.cos_cached[positions], self.sin_cached[positions]  # caller checked them
         if positions.numel() and int(positions.min()) < 0:
             raise ValueError(f"positions must be >= 0, got min {int(positions.min())}")
         if positions.numel() == 0 or int(positions.max()) < self.max_seq_len:

@@ -213,3 +213,63 @@ def test_bad_sizes_are_refused(kwargs, message):
                                               "head_dim")]
     with pytest.raises(ValueError, match=message):
         KVCache(*positional, **args)
+
+
+# ---------------------------------------------------------------- the static cache
+
+def attend(view, q):
+    """What a layer computes from a cache's view: q (B, H, T_new, D) -> (B, H, T_new, Dv)."""
+    from course_attn.backends import get_backend
+    return get_backend("sdpa")(q, view.k, view.v, attn_mask=view.attn_mask,
+                               is_causal=view.is_causal, window=view.window,
+                               enable_gqa=q.shape[1] != view.k.shape[1])
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@given(chunks=st.lists(st.integers(1, 4), min_size=1, max_size=5), seed=seeds)
+def test_static_cache_attends_as_the_kv_cache(window, chunks, seed):
+    """Any appends: the queries see, through the whole buffer and its mask, what they see
+    through a KVCache's prefix (the window, and a left-padding mask, included); the slots not
+    written yet are hidden, not read as zeros."""
+    from course_attn.kv_cache import StaticKVCache
+    b, h, d, s = 2, 2, 4, sum(chunks) + 3
+    static, full = StaticKVCache(b, h, s, d), KVCache(b, h, s, d)
+    padding = torch.ones(b, s, dtype=torch.bool)
+    padding[0, :1] = False                                    # row 0: its first token pads
+    for i, t in enumerate(chunks):
+        k, v, q = (randn(b, h, t, d, seed=seed + 3 * i + j) for j in range(3))
+        assert torch.equal(static.positions(t), torch.arange(len(full), len(full) + t))
+        keys = padding[:, None, None, :len(full) + t]
+        got = attend(static.append(k, v, attn_mask=keys, window=window), q)
+        want = attend(full.append(k, v, attn_mask=keys, window=window), q)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert len(static) == len(full)
+    assert not static.k[:, :, len(static):].any()
+    assert torch.equal(static.k[:, :, :len(static)], full.k[:, :, :len(full)])
+
+
+def test_static_cache_writes_in_place_at_a_tensor_position():
+    from course_attn.kv_cache import StaticKVCache
+    cache = StaticKVCache(1, 2, 6, 3)
+    data, position = cache.k.data_ptr(), cache.next_position
+    view = cache.append(randn(1, 2, 4, 3), randn(1, 2, 4, 3, seed=1))
+    assert view.k is cache.k and view.v is cache.v and view.k.data_ptr() == data
+    assert view.attn_mask.shape == (4, 6) and not view.is_causal and view.window is None
+    assert cache.next_position is position and int(position) == 4 == len(cache)
+    assert torch.equal(cache.positions(2), torch.tensor([4, 5]))
+    cache.reset()
+    assert len(cache) == 0 and cache.k.data_ptr() == data
+    assert "StaticKVCache(batch_size=1, n_kv_heads=2, length=0/6" in repr(cache)
+
+
+def test_static_cache_refuses_what_does_not_fit_and_changes_nothing():
+    from course_attn.kv_cache import StaticKVCache
+    cache = StaticKVCache(1, 2, 5, 3)
+    cache.append(randn(1, 2, 4, 3), randn(1, 2, 4, 3))
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="holds 4 of max_seq_len=5 positions; 2 more would "
+                                         "need 6"):
+        cache.append(randn(1, 2, 2, 3), randn(1, 2, 2, 3))
+    with pytest.raises(ValueError, match="k_new is torch.float64"):
+        cache.append(randn(1, 2, 1, 3).double(), randn(1, 2, 1, 3))
+    assert_unchanged(cache, before)

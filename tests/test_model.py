@@ -300,6 +300,53 @@ def test_generate_errors():
         generate(model, prompt, 1, attention_mask=torch.ones(1, 3))
 
 
+# ---------------------------------------------------------------- compiled decode
+
+def test_compiled_decode_gives_the_eager_tokens_and_compiles_once():
+    """generate(compile=True): static caches and a decode step that torch.compile (Inductor)
+    traces once, with no graph break, for every step and for a second prompt of the same
+    shapes, giving the eager tokens. A RoPE model with GQA, QK-norm and a window shorter than
+    the sequence on SDPA (a checkpoint's setting); then the course's GPT (learned positions,
+    "math") with a left-padded batch and an end token: its own compile, once."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = modern_gpt(seq_len=32, n_layers=1, window=5, backend="sdpa")
+    for seed in (0, 1):
+        prompt = torch.randint(11, (2, 4), generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(generate(model, prompt, 12, compile=True), generate(model, prompt, 12))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+    model = small_gpt()
+    ids = torch.randint(11, (2, 5), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    eager = generate(model, ids, 6, attention_mask=mask)
+    options = dict(attention_mask=mask, eos_token_id=int(eager[0, 7]), pad_token_id=10)
+    assert torch.equal(generate(model, ids, 6, compile=True, **options),
+                       generate(model, ids, 6, **options))
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+
+
+def test_compiled_decode_refuses_what_a_static_cache_cannot_hold():
+    """Refused before anything is compiled: no cache, a rolling one, a sequence past seq_len
+    where the course's model slides, past the RoPE table a compiled step reads unchecked."""
+    prompt = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="needs use_cache=True and rolling=False"):
+        generate(small_gpt(), prompt, 2, compile=True, use_cache=False)
+    with pytest.raises(ValueError, match="needs use_cache=True and rolling=False"):
+        generate(modern_gpt(window=3), prompt, 2, compile=True, rolling=True)
+    with pytest.raises(ValueError, match="keeps the whole sequence, 13 tokens, but this model "
+                                         "slides its window past seq_len=12"):
+        generate(small_gpt(), prompt, 10, compile=True)
+    model = modern_gpt()
+    model.past_seq_len = "extend"                  # as a checkpoint's: RoPE past seq_len
+    with pytest.raises(ValueError, match="reads RoPE's table of 8 positions without a check, "
+                                         "but the sequence reaches position 8"):
+        generate(model, prompt, 6, compile=True)
+
+
 # ---------------------------------------------------------------- data
 
 def test_induction_task_batches():
