@@ -78,6 +78,29 @@ def test_transformers_static_cache_is_an_option(folder):
         hf_bench.run_hf_bench(folder, hf_cache="paged")
 
 
+def test_compiled_decodes_run_in_the_same_rounds(folder):
+    """--compile: the course's compiled decode and transformers' static-compiled generate beside
+    the eager ones, in the same rounds, the same greedy tokens from all four, and each ratio
+    (course compiled against both of transformers') said."""
+    report = hf_bench.run_hf_bench(folder, new_tokens=4, prompt_len=3, repeats=3, compile=True)
+    assert set(report["tokens_per_s"]) == {"course", "transformers", "course compiled",
+                                           "transformers static-compiled"}
+    assert report["same_tokens"] and report["compile"]
+    rounds = report["all_round_speedups"]
+    assert set(rounds) == {"course", "course compiled", "transformers static-compiled"}
+    assert all(len(r) == 3 and min(r) > 0 for r in rounds.values())
+    assert report["compiled_round_speedups"] == pytest.approx(
+        [a / b for a, b in zip(rounds["course compiled"], rounds["transformers static-compiled"])])
+    text = hf_bench.format_report(report)
+    for line in ("course generate(compile=True), static cache",
+                 "transformers generate (static cache, compiled)",
+                 "ratio course compiled / transformers:",
+                 "ratio course compiled / transformers static-compiled:"):
+        assert line in text, text
+    with pytest.raises(ValueError, match="static-compiled generate already"):
+        hf_bench.run_hf_bench(folder, compile=True, hf_cache="static-compiled")
+
+
 def test_a_difference_in_tokens_is_explained(folder):
     """Where the two generations part, and whether the course's logits there are a near tie
     (rounding) or far apart (the models differ)."""
