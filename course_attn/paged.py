@@ -150,10 +150,10 @@ class PagedKVCache:
         self._check_block(block)
         self.refcount[block] -= 1
         if self.refcount[block] == 0:
-            if block in self._key_of:
-                self._evictable[block] = None   # the most recently freed, evicted last
-            else:
-                self._free.append(block)
+            self._free.append(block)
+        if self.refcount[block] == 0 and block in self._key_of:   # kept in the prefix cache,
+            self._free.remove(block)                               # evicted last
+            self._evictable[block] = None
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy every layer's keys and values of block ``src`` into block ``dst``."""
