@@ -41,7 +41,7 @@ def _scores(case):
         and max(s) - sum(s) / len(s) > EXP_MAX),
     "a tie for the largest score": lambda case: _scores(case).count(max(_scores(case))) > 1,
     "a single score": lambda case: len(_scores(case)) == 1,
-})
+}, central=("moderate scores (every exp in range)",))
 def _(gen):
     n = randint(2, 9, gen)
     yield Case(f"{n} random scores", (randn(n, seed=gen, scale=5.0, dtype=torch.float64).tolist(),))
@@ -171,7 +171,7 @@ def _occurrences(tokens):
         lambda case: _occurrences(case.args[1]) >= 3,
     "float32": lambda case: case.args[0].dtype == torch.float32,
     "float64": lambda case: case.args[0].dtype == torch.float64,
-})
+}, central=("B > 1, sequences with different numbers of repeats (a mean of means differs)",))
 def _(gen):
     from course_attn.grading.ch01 import _causal_weights, _induction_head, _uniform_head
 

@@ -78,7 +78,7 @@ def _shape(case):
     "another base": lambda case: _base(case) != 10000.0,
     "float32": lambda case: case.args[0].dtype == torch.float32,
     "float64": lambda case: case.args[0].dtype == torch.float64,
-})
+}, central=("T > 1 and D >= 4",))
 def _(gen):
     b, h, t = randint(2, 3, gen), randint(1, 3, gen), randint(2, 16, gen)
     d = 2 * randint(2, 16, gen)
@@ -257,7 +257,7 @@ def _rows_d(case):
         lambda case: case.args[0].shape[1] != case.args[0].shape[0],
     "float32": lambda case: case.args[0].dtype == torch.float32,
     "float64": lambda case: case.args[0].dtype == torch.float64,
-})
+}, central=("H >= 2 and D >= 6",))
 def _(gen):
     h, d = randint(2, 4, gen), 2 * randint(3, 16, gen)
     yield Case(f"H={h}, D={d}, C={h * d}", (randn(h * d, h * d, seed=gen), h))

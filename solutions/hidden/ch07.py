@@ -32,7 +32,7 @@ def _kv(case):
     "B > 1": lambda case: _kv(case)[0] > 1,
     "float32": _dtype(torch.float32),
     "float64": _dtype(torch.float64),
-})
+}, central=("GQA: Hkv > 1, n_rep > 1",))
 def _(gen):
     b, hkv, t, d = randint(2, 3, gen), randint(2, 4, gen), randint(2, 6, gen), randint(2, 8, gen)
     n_rep = randint(2, 4, gen)

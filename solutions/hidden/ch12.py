@@ -12,7 +12,9 @@ from course_attn.grading.exercise import Case, hidden
 # ch12.gather_kv: every seed draws several blocks out of the pool's order with a partly filled
 # last block (reading the pool's order, the pool's first blocks, whole blocks and a slot-by-slot
 # layout are each wrong there), a length that fills its last block exactly, a single block,
-# block size 1, and Dv != D in float64.
+# block size 1, and Dv != D in float64. The first case is the central regime: several heads,
+# several blocks out of the pool's order, the last partly filled; an answer right only where
+# the layout is trivial (one head, one block: a gather without the permute) earns nothing.
 def _gather(rule):
     """A regime of gather_kv: ``rule`` of (pool_k, pool_v, table, length, bs)."""
     return lambda case: bool(rule(*case.args, case.args[0].shape[2]))
@@ -30,7 +32,11 @@ def _gather(rule):
     "several key/value heads (Hkv > 1)": _gather(lambda pk, pv, table, n, bs: pk.shape[1] > 1),
     "values of another width than the keys (Dv != D)":
         _gather(lambda pk, pv, table, n, bs: pv.shape[-1] != pk.shape[-1]),
-})
+    "several heads, several blocks out of order, the last partly filled (Dv = D)":
+        _gather(lambda pk, pv, table, n, bs: pk.shape[1] > 1 and n > bs and n % bs != 0
+                and not torch.equal(table, table.sort().values)
+                and pv.shape[-1] == pk.shape[-1]),
+}, central=("several heads, several blocks out of order, the last partly filled (Dv = D)",))
 def _(gen):
     d = randint(2, 8, gen)
     bs, m = randint(2, 6, gen), randint(2, 5, gen)
