@@ -32,7 +32,11 @@ from pathlib import Path
 from .exercise import all_exercises, get, hidden_cases, load_hidden
 
 EQUIVALENT = Path(__file__).with_name("equivalent_mutants.txt")
-SECONDS_PER_CALL = 10.0   # a mutant that loops (a flipped loop condition) is stopped: killed
+# a mutant that loops (a flipped loop condition) is stopped, and so killed, after this many
+# seconds or this many times what the reference took on the same case, whichever is longer (on a
+# busy machine the reference itself took 9 s on a case of ch04.leak_pattern)
+SECONDS_PER_CALL = 10.0
+TIMES_THE_REFERENCE = 20.0
 
 _FLIPS = {ast.Lt: (ast.LtE, ast.Gt), ast.LtE: (ast.Lt, ast.GtE), ast.Gt: (ast.GtE, ast.Lt),
           ast.GtE: (ast.Gt, ast.LtE), ast.Eq: (ast.NotEq,), ast.NotEq: (ast.Eq,),
@@ -167,11 +171,18 @@ def _stop(signum, frame):
     raise _Slow()
 
 
-def _fails(exercise, fn, case, expected) -> bool:
-    """Whether ``fn`` fails ``case``: an error, a time out, or an answer the comparison
-    rejects."""
+def _expected(exercise, case):
+    """(the reference's answer to ``case``, how long a mutant may take on it)."""
+    started = time.perf_counter()
+    expected = exercise.expected(case)
+    return expected, max(SECONDS_PER_CALL, TIMES_THE_REFERENCE * (time.perf_counter() - started))
+
+
+def _fails(exercise, fn, case, expected, seconds: float = SECONDS_PER_CALL) -> bool:
+    """Whether ``fn`` fails ``case``: an error, a time out (after ``seconds``), or an answer
+    the comparison rejects."""
     previous = signal.signal(signal.SIGALRM, _stop)
-    signal.setitimer(signal.ITIMER_REAL, SECONDS_PER_CALL)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         value = fn(*copy.deepcopy(case.args), **copy.deepcopy(dict(case.kwargs)))
     except BaseException as error:
@@ -224,20 +235,19 @@ def run(key: str, seeds, listed=None) -> Outcome:
     outcome = Outcome(key)
     if exercise.kind != "function":
         return outcome
-    public = [(case, exercise.expected(case)) for case in exercise.public_cases()]
+    public = [(case, *_expected(exercise, case)) for case in exercise.public_cases()]
     by_seed = {}
     for description, mutant in mutant_functions(exercise.reference):
         outcome.mutants += 1
-        if any(_fails(exercise, mutant, case, expected) for case, expected in public):
+        if any(_fails(exercise, mutant, *judged) for judged in public):
             outcome.killed.append(description)
             continue
         survived = []
         for seed in seeds:
             if seed not in by_seed:
-                by_seed[seed] = [(case, exercise.expected(case))
+                by_seed[seed] = [(case, *_expected(exercise, case))
                                  for case in hidden_cases(key, seed)]
-            if not any(_fails(exercise, mutant, case, expected)
-                       for case, expected in by_seed[seed]):
+            if not any(_fails(exercise, mutant, *judged) for judged in by_seed[seed]):
                 survived.append(seed)
         if not survived:
             outcome.killed.append(description)
