@@ -233,6 +233,18 @@ def test_online_softmax_in_two_passes_earns_nothing_on_every_seed():
         assert judgement.credit() == 1, (seed, judgement.reason())
 
 
+def test_an_online_softmax_wrong_only_at_a_rows_edge_fails_on_every_seed():
+    """NaN only in a row that starts with -inf (the running max of -inf unguarded), or only in
+    a row of -inf (0 / 0): the hidden cases hold both rows on every seed."""
+    def unguarded_start(x):
+        return online_softmax(x, guard=False)
+
+    def unguarded_dead_row(x):
+        return online_softmax(x, dead=False)
+    for wrong in (unguarded_start, unguarded_dead_row):
+        assert_fails_on_every_seed(ONLINE, wrong)
+
+
 def test_online_softmax_may_not_call_a_library_softmax_or_logsumexp():
     assert_banned(ONLINE, lambda x: torch.softmax(x, dim=-1), "torch.softmax")
     assert_banned(ONLINE, lambda x: F.softmax(x, dim=-1), "torch.nn.functional.softmax")
@@ -945,15 +957,22 @@ def test_triton_forward_may_not_call_the_packages_kernels(kernel):
 FLASH_BACKWARD = "ch09.flash_backward"
 
 
-def flash_backward(q, k, v, out, lse, dout, dlse, is_causal=False, block=16, *, edge=True):
-    """Gradients (dq, dk, dv) of a loss whose gradients on the attention's output and
-    log-sum-exp are dout (B, H, Tq, Dv) and dlse (B, H, Tq), recomputing P tile by tile.
-    ``edge=False``: the skip drops a tile whose first key is its block's last query."""
+def flash_backward(q, k, v, out, lse, out_b, lse_b, dout, is_causal=False, block=16, *,
+                   edge=True):
+    """Gradients (dq, dk, dv) of this part (q over k, v: out (B, H, Tq, Dv), lse (B, H, Tq)),
+    merged with another part (out_b, lse_b, constants), from dout (B, H, Tq, Dv), the gradient
+    of the merged output; P recomputed tile by tile. ``edge=False``: the skip drops a tile
+    whose first key is its block's last query."""
     tq, tk, scale = q.shape[-2], k.shape[-2], 1 / math.sqrt(q.shape[-1])
     offset = tk - tq                                   # query i sits at position Tk - Tq + i
-    # lse_i depends on every score of row i (d lse_i / d S_ij = P_ij): its gradient joins the
-    # softmax's row term, dS = P * (dP - D + dlse)
-    row_term = (dout * out).sum(dim=-1) - dlse
+    top = torch.maximum(lse, lse_b)
+    ref = torch.where(top == -math.inf, 0.0, top)
+    a, b = torch.exp(lse - ref), torch.exp(lse_b - ref)
+    w = a / torch.where(a + b == 0, 1.0, a + b)        # this part's share of the merge
+    merged = w[..., None] * out + (1 - w)[..., None] * out_b
+    dout_part = w[..., None] * dout
+    dlse = w * (dout * (out - merged)).sum(dim=-1)
+    row_term = (dout_part * out).sum(dim=-1) - dlse
     lse = torch.where(lse == -math.inf, 0.0, lse)      # rows with no key: P = 0 anyway
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for k0 in range(0, tk, block):                     # each key block owns its dK, dV
@@ -963,7 +982,7 @@ def flash_backward(q, k, v, out, lse, dout, dlse, is_causal=False, block=16, *, 
             rows = offset + torch.arange(q0, min(q0 + block, tq))
             if is_causal and (k0 > int(rows[-1]) if edge else k0 >= int(rows[-1])):
                 continue                               # above the diagonal: nothing to add
-            qb, dob = q[..., q0:q0 + block, :], dout[..., q0:q0 + block, :]
+            qb, dob = q[..., q0:q0 + block, :], dout_part[..., q0:q0 + block, :]
             s = qb @ kb.transpose(-2, -1) * scale
             if is_causal:
                 s = s.masked_fill(cols[None, :] > rows[:, None], -math.inf)
@@ -994,49 +1013,74 @@ def test_flash_backward_the_notebooks_solution_passes_on_every_seed():
 
 
 def test_flash_backward_reference_is_autograds():
-    """The reference (the dense formulas) against autograd through softmax and logsumexp, for
-    a loss sum(out * dout) + sum(lse * dlse) over the rows that see a key."""
+    """The reference (the merge's dO and dlse, then the dense formulas) against autograd
+    through this part's softmax and logsumexp and the package's merge of the two parts, for
+    a loss sum(O_m * dout), on the public and hidden cases."""
+    from course_attn.flash import merge_attention_states
     from course_attn.grading.ch09 import _visible
-    for case in get(FLASH_BACKWARD).public_cases():
-        q, k, v, out, lse, dout, dlse, is_causal, block = case.args
+    exercise = get(FLASH_BACKWARD)
+    for case in exercise.public_cases() + hidden_cases(FLASH_BACKWARD, 0):
+        q, k, v, out, lse, out_b, lse_b, dout, is_causal, block = case.args
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
         s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
         s = s.masked_fill(~_visible(q.shape[-2], k.shape[-2], is_causal), -math.inf)
-        lse_ = torch.logsumexp(s, -1)
-        out_ = torch.softmax(s, -1).nan_to_num(0.0) @ v
-        loss = (out_ * dout).sum() + (lse_.masked_fill(lse_ == -math.inf, 0.0) * dlse).sum()
-        for got, want in zip(torch.autograd.grad(loss, (q, k, v)), get(FLASH_BACKWARD).expected(
-                case)):
+        out_, lse_ = torch.softmax(s, -1).nan_to_num(0.0) @ v, torch.logsumexp(s, -1)
+        merged, _ = merge_attention_states(out_, lse_, out_b, lse_b)
+        for got, want in zip(torch.autograd.grad((merged * dout).sum(), (q, k, v)),
+                             exercise.expected(case)):
             torch.testing.assert_close(got, want)
 
 
 def test_flash_backward_mistakes_are_named():
     from course_attn.grading.ch09 import _backward_with
-    on_lse = "Tq = Tk = 40 in blocks of 16, a gradient on lse"
-    for mistake, hint in (({"dlse_sign": 0.0}, "right where dlse is 0"),
-                          ({"dlse_sign": -1.0}, "wrong sign"),
-                          ({"rowsum": False}, "row term"),
-                          ({"with_lse": False}, "not normalised"),
-                          ({"times_p": False}, "not weighted by P")):
-        assert_fails(FLASH_BACKWARD, _backward_with(**mistake), on_lse, hint=hint)
-    # the chapter's backward (dlse ignored) passes where dlse is 0 only
-    found = results(FLASH_BACKWARD, _backward_with(dlse_sign=0.0))
-    assert [name for name, r in found.items() if r.passed] == \
-        ["Tq = Tk = 40 in blocks of 16, dlse = 0 (the chapter's backward)"]
+    merged = "Tq = Tk = 40 in blocks of 16, merged with another part"
+    empty = "Tq = Tk = 40 in blocks of 16, the other part empty (the chapter's backward)"
+    for merge, mistake, hint in ((dict(weight=False), {}, "as if this part were the whole"),
+                                 (dict(through_lse=False), {}, "right where the other part"),
+                                 (dict(against="other"), {}, "treats the merged lse as fixed"),
+                                 ({}, {"dlse_sign": -1.0}, "wrong sign"),
+                                 ({}, {"rowsum": False}, "row term"),
+                                 ({}, {"with_lse": False}, "not normalised"),
+                                 ({}, {"times_p": False}, "not weighted by P")):
+        assert_fails(FLASH_BACKWARD, _backward_with(merge, **mistake), merged, hint=hint)
+    # the chapter's backward (the part taken as the whole) passes where the other part is empty
+    for merge in (dict(weight=False), dict(through_lse=False)):
+        found = results(FLASH_BACKWARD, _backward_with(merge))
+        assert [name for name, r in found.items() if r.passed] == [empty]
+
+
+def test_flash_backward_the_chapters_backward_earns_nothing_on_every_seed():
+    """Issue 42: the exercise was the chapter's tiled_backward plus one term, dlse given. Now
+    the part's gradients come from the merged output's, and the student derives what the merge
+    sends back; the chapter's backward run on dout, right only where the other part is empty,
+    fails the central regime (merged with another part) and earns 0 on each of 100 seeds."""
+    from course_attn.grading.ch09 import _flash_grads
+
+    def chapters(q, k, v, out, lse, out_b, lse_b, dout, is_causal=False, block=16):
+        return _flash_grads(q, k, v, out, lse, dout, torch.zeros_like(lse), is_causal)
+    for seed in range(100):
+        judgement = grade_here(get(FLASH_BACKWARD), chapters, seed, watch_banned=False)
+        assert judgement.credit() == 0, (seed, judgement.reason())
 
 
 def test_flash_backward_that_holds_the_whole_table_scores_0():
     """Right gradients from the dense formulas: the (Tq, Tk) table of P is what the tiles
     avoid, and the guard sees it made."""
-    def dense(q, k, v, out, lse, dout, dlse, is_causal=False, block=16):
+    def dense(q, k, v, out, lse, out_b, lse_b, dout, is_causal=False, block=16):
         scale = 1 / math.sqrt(q.shape[-1])
+        top = torch.maximum(lse, lse_b)
+        ref = torch.where(top == -math.inf, 0.0, top)
+        a, b = torch.exp(lse - ref), torch.exp(lse_b - ref)
+        w = a / torch.where(a + b == 0, 1.0, a + b)
+        merged = w[..., None] * out + (1 - w)[..., None] * out_b
+        d_out, dlse = w[..., None] * dout, w * (dout * (out - merged)).sum(-1)
         s = q @ k.transpose(-2, -1) * scale
         if is_causal:
             tq, tk = s.shape[-2:]
             s = s.masked_fill(~torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq), -math.inf)
         p = torch.exp(s - torch.where(lse == -math.inf, 0.0, lse)[..., None])
-        ds = p * (dout @ v.transpose(-2, -1) - ((dout * out).sum(-1) - dlse)[..., None])
-        return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
+        ds = p * (d_out @ v.transpose(-2, -1) - ((d_out * out).sum(-1) - dlse)[..., None])
+        return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ d_out
     judgement = run_exercise(get(FLASH_BACKWARD), dense)
     assert all(r.passed for r in judgement.results)
     assert judgement.credit() == 0
@@ -1046,7 +1090,7 @@ def test_flash_backward_that_holds_the_whole_table_scores_0():
 
 
 def test_flash_backward_may_not_use_autograd():
-    def with_autograd(q, k, v, out, lse, dout, dlse, is_causal=False, block=16):
+    def with_autograd(q, k, v, out, lse, out_b, lse_b, dout, is_causal=False, block=16):
         q = q.clone().requires_grad_()
         return torch.autograd.grad(q.sum(), q)[0], k, v
     assert_banned(FLASH_BACKWARD, with_autograd, "torch.autograd.grad")

@@ -1040,11 +1040,14 @@ register(Exercise(
 ))
 
 
-# --- ch09.flash_backward: the tiled backward when the log-sum-exp has a gradient too -------------
-# The chapter's tiled_backward takes dO only. Where the forward's lse is used as well (merging
-# two partial attentions, chapter 9's ring; a loss on the normaliser), the loss sends a gradient
-# dlse into it, and the backward must carry it into dS. Not shown in the chapter: lse_i depends on
-# every score of row i, d lse_i / d S_ij = P_ij, so dS = P ∘ (dP - D + dlse).
+# --- ch09.flash_backward: the backward of one part of a merged attention -----------------------
+# The chapter's tiled_backward takes dO only. Where a part's output is merged with another part's
+# (chapter 9's ring: each rank attends to the keys it holds, then the partial states are merged),
+# the loss reaches this part through its output and through its lse, which sets its share of the
+# merge. Not shown in the chapter, derived by the student: with w = exp(lse - lse_m) this part's
+# share and O_m = w O + (1 - w) O_b, the part receives dO = w dO_m and dlse = w rowsum(dO_m ∘
+# (O - O_m)); lse_i depends on every score of row i, d lse_i / d S_ij = P_ij, so
+# dS = P ∘ (dP - D + dlse).
 
 NO_AUTOGRAD = ("torch.autograd.grad", "torch.autograd.backward", "torch.Tensor.backward",
                "torch.autograd.functional.jacobian", "torch.autograd.functional.vjp",
@@ -1092,51 +1095,79 @@ def _flash_grads(q, k, v, out, lse, dout, dlse, is_causal, *, rowsum=True, with_
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
 
 
-def flash_backward_reference(q, k, v, out, lse, dout, dlse, is_causal=False, block=16):
-    """(dq, dk, dv) of a loss L(out, lse) whose gradients are dout (B, H, Tq, Dv) and dlse
-    (B, H, Tq), for out, lse = the attention's output and log-sum-exp: the dense computation."""
-    return _flash_grads(q, k, v, out, lse, dout, dlse, is_causal)
+def _merge_sends(out, lse, out_b, lse_b, dout, *, weight=True, through_lse=True,
+                 against="merged"):
+    """(dO, dlse): what the merge of this part (out, lse) with the other (out_b, lse_b) sends
+    back into this part, from dout (B, H, Tq, Dv), the gradient of the merged output; or a
+    typical mistake's: ``weight=False`` passes dout on as it is (and nothing through lse),
+    ``through_lse=False`` sends nothing through lse, ``against="other"`` takes the derivative
+    of the share w as if the merged lse were fixed (out - out_b in place of out - O_m)."""
+    top = torch.maximum(lse, lse_b)
+    a, b = torch.exp(lse - _finite_max(top)), torch.exp(lse_b - _finite_max(top))
+    w = a / torch.where(a + b == 0, torch.ones_like(a), a + b)    # 0 where this part is empty
+    merged = w[..., None] * out + (1 - w)[..., None] * out_b
+    if not weight:
+        return dout, torch.zeros_like(lse)
+    moved = out - (out_b if against == "other" else merged)
+    dlse = w * (dout * moved).sum(-1) if through_lse else torch.zeros_like(lse)
+    return w[..., None] * dout, dlse
 
 
-def _backward_with(**mistake):
-    def fn(q, k, v, out, lse, dout, dlse, is_causal=False, block=16):
-        return _flash_grads(q, k, v, out, lse, dout, dlse, is_causal, **mistake)
+def flash_backward_reference(q, k, v, out, lse, out_b, lse_b, dout, is_causal=False, block=16):
+    """(dq, dk, dv) of a loss whose gradient on the merged output of this part (q over k, v:
+    out (B, H, Tq, Dv), lse (B, H, Tq)) and another part (out_b, lse_b, held constant) is
+    dout (B, H, Tq, Dv): the merge's dO and dlse, then the dense computation."""
+    sent = _merge_sends(out, lse, out_b, lse_b, dout)
+    return _flash_grads(q, k, v, out, lse, *sent, is_causal)
+
+
+def _backward_with(merge=None, **mistake):
+    """A typical mistake: the merge sends back ``_merge_sends(..., **merge)``, and the part's
+    backward is ``_flash_grads(..., **mistake)``."""
+    def fn(q, k, v, out, lse, out_b, lse_b, dout, is_causal=False, block=16):
+        sent = _merge_sends(out, lse, out_b, lse_b, dout, **(merge or {}))
+        return _flash_grads(q, k, v, out, lse, *sent, is_causal, **mistake)
     return fn
 
 
-def backward_inputs(b, h, tq, tk, d, dv, seed, *, is_causal=False, dlse=True):
-    """q, k, v, their forward's out and lse, and random gradients dout and dlse (float64)."""
+def backward_inputs(b, h, tq, tk, d, dv, seed, *, is_causal=False, other=True):
+    """q, k, v and their forward's out and lse (float64); the other part's out_b and lse_b,
+    attention of q over keys of its own (``other=False``: an empty part, out_b = 0 and lse_b =
+    -inf); and a random gradient dout of the merged output."""
     g = torch.Generator().manual_seed(seed) if isinstance(seed, int) else seed
     q, k, v = (randn(b, h, t, width, seed=g, dtype=torch.float64)
                for t, width in ((tq, d), (tk, d), (tk, dv)))
     out, lse = flash_forward_reference(q, k, v, is_causal)
+    k_b, v_b = randn(b, h, 5, d, seed=g, dtype=torch.float64), randn(b, h, 5, dv, seed=g,
+                                                                       dtype=torch.float64)
+    out_b, lse_b = flash_forward_reference(q, k_b, v_b)
+    if not other:
+        out_b, lse_b = torch.zeros_like(out_b), torch.full_like(lse_b, INF)
     dout = randn(b, h, tq, dv, seed=g, dtype=torch.float64)
-    # zeros draw nothing from g, so the cases drawn after this one stay as they were
-    grad = (randn(b, h, tq, seed=g, dtype=torch.float64) if dlse else
-            torch.zeros(b, h, tq, dtype=torch.float64))
-    return q, k, v, out, lse, dout, grad, is_causal
+    return q, k, v, out, lse, out_b, lse_b, dout, is_causal
 
 
-def backward_case(name, b, h, tq, tk, d, dv, block, seed, *, is_causal=False, dlse=True,
+def backward_case(name, b, h, tq, tk, d, dv, block, seed, *, is_causal=False, other=True,
                   hint=""):
     return Case(name, (*backward_inputs(b, h, tq, tk, d, dv, seed, is_causal=is_causal,
-                                        dlse=dlse), block), hint=hint)
+                                        other=other), block), hint=hint)
 
 
 def _backward_cases():
-    yield backward_case("Tq = Tk = 40 in blocks of 16, dlse = 0 (the chapter's backward)",
-                        1, 2, 40, 40, 8, 8, 16, 950, dlse=False,
-                        hint="with dlse = 0 this is the chapter's tiled backward")
-    yield backward_case("Tq = Tk = 40 in blocks of 16, a gradient on lse", 1, 2, 40, 40, 8, 8, 16,
-                        951, hint="lse_i depends on every score of row i")
-    yield backward_case("causal, Tq = 24 < Tk = 56, blocks of 16, a gradient on lse",
-                        2, 1, 24, 56, 8, 4, 16, 952, is_causal=True,
-                        hint="query i sits at position Tk - Tq + i")
-    yield backward_case("causal, Tq = 40 > Tk = 24: rows that see no key (lse = -inf)",
-                        1, 2, 40, 24, 8, 8, 16, 953, is_causal=True,
-                        hint="a row that sees no key has no gradient to give")
-    yield backward_case("one block: Tq = Tk = 12, block 16", 1, 1, 12, 12, 8, 8, 16, 954,
-                        hint="a single tile holds every score")
+    yield backward_case("Tq = Tk = 40 in blocks of 16, the other part empty (the chapter's "
+                        "backward)", 1, 2, 40, 40, 8, 8, 16, 950, other=False,
+                        hint="with the other part empty, the merge is this part alone")
+    yield backward_case("Tq = Tk = 40 in blocks of 16, merged with another part", 1, 2, 40, 40,
+                        8, 8, 16, 951, hint="the merged output depends on this part's lse "
+                                            "through its share, and lse_i on every score of "
+                                            "row i")
+    yield backward_case("causal, Tq = 24 < Tk = 56, blocks of 16, merged", 2, 1, 24, 56, 8, 4,
+                        16, 952, is_causal=True, hint="query i sits at position Tk - Tq + i")
+    yield backward_case("causal, Tq = 40 > Tk = 24: rows that see no key here (lse = -inf), "
+                        "merged", 1, 2, 40, 24, 8, 8, 16, 953, is_causal=True,
+                        hint="a row that sees no key in this part has no share of the merge")
+    yield backward_case("one block: Tq = Tk = 12, block 16, merged", 1, 1, 12, 12, 8, 8, 16,
+                        954, hint="a single tile holds every score")
 
 
 register(Exercise(
@@ -1144,11 +1175,17 @@ register(Exercise(
     task="implement", ops=ELEMENTARY, cases=_backward_cases,
     compare=expect_tensors(("dq", "dk", "dv")),
     banned=NO_SOFTMAX_OR_LSE + NO_LIBRARY_ATTENTION[1:] + NO_AUTOGRAD,
-    no_table=(0, 1, 8),
+    no_table=(0, 1, 9),
     mistakes=(
-        Mistake("your gradients are right where dlse is 0 and wrong where it is not: the loss "
-                "reaches the scores through lse as well as through the output",
-                _backward_with(dlse_sign=0.0)),
+        Mistake("you ran the backward on dout as if this part were the whole attention: the "
+                "merge weighs this part's output by its share of the total weight, and that "
+                "share depends on its lse", _backward_with(dict(weight=False))),
+        Mistake("your gradients are right where the other part is empty and wrong where it is "
+                "not: this part's share of the merge depends on its lse, and lse on every "
+                "score of the row", _backward_with(dict(through_lse=False))),
+        Mistake("your gradient through lse treats the merged lse as fixed: raising this part's "
+                "lse raises the merged one too, which shrinks the other part's share",
+                _backward_with(dict(against="other"))),
         Mistake("your gradient through lse has the wrong sign: raising a score raises lse",
                 _backward_with(dlse_sign=-1.0)),
         Mistake("your dS leaves out the row term of the softmax's Jacobian (what D = rowsum(dO ∘ "

@@ -449,34 +449,40 @@ def _(gen):
 
 
 # ch09.flash_backward: every seed draws Tq = Tk, Tq < Tk and Tq > Tk (causal: rows that see no
-# key), with and without the causal mask, with a gradient on lse and without one, lengths that
-# are and are not multiples of the block, and a single block. Ignoring dlse is wrong wherever
-# dlse is not 0; a tile mask misaligned is wrong where Tq != Tk.
+# key), with and without the causal mask, merged with another part and with the other part
+# empty, lengths that are and are not multiples of the block, and a single block. Ignoring
+# what the merge sends through lse is wrong wherever the other part holds keys; a tile mask
+# misaligned is wrong where Tq != Tk. Merged with another part is the point (central): an
+# answer wrong there is the chapter's backward, or a derivation gone wrong.
 def _sizes(case):
     q, k, *_ = case.args
-    return q.shape[-2], k.shape[-2], case.args[8]
+    return q.shape[-2], k.shape[-2], case.args[9]
+
+
+def _causal(case):
+    return bool(case.args[8])
 
 
 def _edge_tile(case):
     """Causal, and some key tile starts at the position of its query block's last query."""
     tq, tk, block = _sizes(case)
     lasts = (tk - tq + min(q0 + block, tq) - 1 for q0 in range(0, tq, block))
-    return bool(case.args[7]) and any(0 <= last < tk and last % block == 0 for last in lasts)
+    return _causal(case) and any(0 <= last < tk and last % block == 0 for last in lasts)
 
 
 @hidden("ch09.flash_backward", regimes={
     "Tq = Tk": lambda case: _sizes(case)[0] == _sizes(case)[1],
     "Tq < Tk": lambda case: _sizes(case)[0] < _sizes(case)[1],
     "Tq > Tk, causal (rows that see no key)": lambda case: _sizes(case)[0] > _sizes(case)[1]
-        and case.args[7],
-    "causal": lambda case: case.args[7],
-    "not causal": lambda case: not case.args[7],
-    "a gradient on lse": lambda case: bool(case.args[6].abs().sum() > 0),
-    "no gradient on lse": lambda case: bool(case.args[6].abs().sum() == 0),
+        and _causal(case),
+    "causal": _causal,
+    "not causal": lambda case: not _causal(case),
+    "merged with another part": lambda case: bool(case.args[6].isfinite().all()),
+    "the other part empty (lse_b = -inf)": lambda case: bool((case.args[6] == INF).all()),
     "a partial last block": lambda case: any(t % _sizes(case)[2] for t in _sizes(case)[:2]),
     "a single block": lambda case: max(_sizes(case)[:2]) <= _sizes(case)[2],
     "causal, a key tile whose first key is its query block's last query": _edge_tile,
-})
+}, central=("merged with another part",))
 def _(gen):
     block = 8 * randint(1, 2, gen)                              # 8 or 16
     d = 4 * randint(1, 2, gen)              # 4 or 8: below every length of a multi-block case
@@ -492,10 +498,10 @@ def _(gen):
     yield backward_case(f"causal, Tq = {tq} > Tk = {tk}", 1, 2, tq, tk, d, d, block, gen,
                         is_causal=True)
     t = randint(2, block, gen)
-    yield backward_case(f"one block, T = {t}", 1, 1, t, t, d, d, block, gen, dlse=False)
+    yield backward_case(f"one block, T = {t}", 1, 1, t, t, d, d, block, gen, other=False)
     tq, tk = randint(block + 1, 3 * block, gen), randint(block + 1, 3 * block, gen)
-    yield backward_case(f"not causal, Tq = {tq}, Tk = {tk}, no gradient on lse", 1, 2, tq, tk,
-                        d, d, block, gen, dlse=False)
+    yield backward_case(f"not causal, Tq = {tq}, Tk = {tk}, the other part empty", 1, 2, tq, tk,
+                        d, d, block, gen, other=False)
     # the edge, on every seed: Tk - Tq one past a multiple of the block puts the first query
     # block's last query (position Tk - Tq + block - 1) at the first key of a key tile, whose
     # only allowed pair is that query and that key (skipping it when first key >= last query is
