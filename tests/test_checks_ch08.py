@@ -23,7 +23,8 @@ from course_attn.grading.check import grade_here
 from course_attn.grading.exercise import hidden_cases
 from course_attn.model import GPT, GPTConfig
 
-from check_support import assert_banned, assert_fails, assert_fails_unnamed, results
+from check_support import (assert_banned, assert_fails, assert_fails_on_every_seed,
+                           assert_fails_unnamed, results)
 from helpers import SOLUTIONS_DIR
 
 FILL, STEP, SAVINGS = "ch08.fill_cache", "ch08.decode_step", "ch08.decode_savings"
@@ -375,6 +376,22 @@ def test_decode_savings_flops_and_the_chapters_count_of_one_sequence_fail():
         "'prefill_ragged', 'step', 'generate'], got list"
 
 
+def test_decode_savings_wrong_only_at_an_edge_fails_on_every_seed():
+    """Issue 42: answers wrong only at one edge of the sizes lose points on each of 100 seeds:
+    N decode steps (wrong only where N > 1), the step without its new key (off by one key),
+    no padding (wrong only where the prompts differ), keys and values C wide (wrong only where
+    G < H). The solution earns full marks on each."""
+    for wrong in (dict(steps=...), dict(own_key=False), dict(padded=False), dict(kv_width=...)):
+        def answer(L, C, V, H, G, prompts, N, wrong=wrong):
+            keywords = {k: v if v is not ... else {"kv_width": C, "steps": N}[k]
+                        for k, v in wrong.items()}
+            return decode_savings(L, C, V, H, G, prompts, N, **keywords)
+        for seed in range(100):
+            assert grade_here(get(SAVINGS), answer, seed).credit() < 1, (wrong, seed)
+    for seed in range(100):
+        assert grade_here(get(SAVINGS), decode_savings, seed).credit() == 1, seed
+
+
 def test_decode_savings_never_shows_the_right_answer_or_a_factor():
     for answer in (12345, 10 ** 30):
         for result in run_exercise(get(SAVINGS), lambda **s: {k: answer for k in
@@ -555,6 +572,18 @@ def test_a_loop_that_caches_unrotated_keys_and_rotates_them_all_each_step_passes
     for cases in [None] + [hidden_cases(DECODE_LOOP, seed) for seed in range(3)]:
         judgement = run_exercise(get(DECODE_LOOP), greedy_decode, cases)
         assert judgement.passed, [(r.name, r.message) for r in judgement.results if not r.passed]
+
+
+def test_greedy_decode_wrong_only_from_the_second_decode_step_fails_on_every_seed():
+    """Issue 42: every decode step at the prompt's length is right for the first decode step
+    and wrong from the second on: the hidden cases draw at least 4 new tokens on every seed, so
+    it fails on each of 100."""
+    at_prompt_end = given_loop(
+        rope="""    start = cache["k"].shape[1] if at is None else at
+    cos, sin = rope_rows(start + len(tokens), q.shape[-1])
+    q, k = rotate(q, cos[start:], sin[start:]), rotate(k, cos[start:], sin[start:])
+""", loop="rows.append(attend_step(params, next_token, cache, at=len(prompt))[-1])")
+    assert_fails_on_every_seed(DECODE_LOOP, at_prompt_end)
 
 
 def test_greedy_decode_may_not_call_the_package_or_a_library_attention():
@@ -770,14 +799,29 @@ def test_a_cached_loop_written_otherwise_earns_full_marks(name):
     assert grade_here(get(DECODE_LOOP), CACHED[name], 0).credit() == 1
 
 
-def divergence(compare="tokens", shift=0, against=None):
-    """first_divergence as the notebook's solution writes it: the given loop against the model
-    without a cache (or ``against``, a loop); ``compare="logits"`` compares the logits,
-    ``"count"`` counts every agreement, ``shift`` adds to the index."""
-    buggy_loop, right_loop = given_loop(), against or uncached_loop()
+def chunked_buggy_loop(params, prompt, n_new, chunk):
+    """The given buggy loop, its prompt prefilled in chunks of ``chunk`` tokens by the given
+    attend_step -> the (n_new, V) logits that chose its tokens."""
+    step, empty = _given_namespace()
+    cache = empty(params)
+    for start in range(0, len(prompt), chunk):
+        last = step(params, prompt[start:start + chunk], cache)[-1]
+    rows = [last]
+    while len(rows) < n_new:
+        rows.append(step(params, rows[-1].argmax().reshape(1), cache)[-1])
+    return torch.stack(rows)
 
-    def first_divergence(params, prompt, n_new):
-        buggy, repaired = buggy_loop(params, prompt, n_new), right_loop(params, prompt, n_new)
+
+def divergence(compare="tokens", shift=0, against=None, chunked=True):
+    """first_divergence as the notebook's solution writes it: the given loop with a chunked
+    prefill against the model without a cache (or ``against``, a loop); ``compare="logits"``
+    compares the logits, ``"count"`` counts every agreement, ``shift`` adds to the index,
+    ``chunked=False`` prefills the prompt at once."""
+    right_loop = against or uncached_loop()
+
+    def first_divergence(params, prompt, n_new, chunk):
+        buggy = chunked_buggy_loop(params, prompt, n_new, chunk if chunked else len(prompt))
+        repaired = right_loop(params, prompt, n_new)
         if compare == "logits":
             differ = ((buggy - repaired).abs().amax(dim=-1) > 1e-9).nonzero()
         else:
@@ -790,26 +834,57 @@ def divergence(compare="tokens", shift=0, against=None):
     return first_divergence
 
 
+ZERO = "a prompt of 7, 10 new tokens; V=16, C=16, H=2, D=8; prefill chunks of 3"
+A_WHILE = "a prompt of 8, 10 new tokens; V=16, C=16, H=2, D=8; prefill chunks of 3"
+ONE_CHUNK = "a prompt of 4, 10 new tokens; V=16, C=16, H=2, D=8; prefill chunks of 4"
+
+
+def test_a_chunk_as_long_as_the_prompt_is_the_given_loop():
+    from course_attn.grading.ch08 import _public_model
+    params, prompt, n = _public_model(830, 4, 10)
+    for chunk in (4, 9):
+        assert torch.equal(chunked_buggy_loop(params, prompt, n, chunk),
+                           given_loop()(params, prompt, n))
+
+
 def test_first_divergence_passes_and_its_mistakes_are_named():
-    for cases in [None] + [hidden_cases(DIVERGENCE, seed) for seed in range(5)]:
+    for cases in [None] + [hidden_cases(DIVERGENCE, seed) for seed in range(3)]:
         judgement = run_exercise(get(DIVERGENCE), divergence(), cases)
         assert judgement.passed, [(r.name, r.message) for r in judgement.results if not r.passed]
-    first = "a prompt of 4, 10 new tokens; V=16, C=16, H=2, D=8"
-    later = "a prompt of 2, 12 new tokens; V=16, C=16, H=2, D=8"
+    assert [get(DIVERGENCE).expected(c) for c in get(DIVERGENCE).public_cases()] == [0, 4, 1, 10]
     # comparing the logits answers 1 whatever the model (issue 42: told "you compared the
     # logits" when 1 was typed in): no mistake is named, and a constant earns nothing
-    assert_fails_unnamed(DIVERGENCE, divergence("logits"), later, message="too small")
-    for answer in (divergence("logits"), lambda params, prompt, n_new: 1):
+    assert_fails_unnamed(DIVERGENCE, divergence("logits"), A_WHILE, message="too small")
+    for answer in (divergence("logits"), lambda params, prompt, n_new, chunk: 1):
         judgement = run_exercise(get(DIVERGENCE), answer)
         judgement.settle_hints()    # as check() prints it and the grader's reason gives it
         assert not any(r.named for r in judgement.results)
-        assert judgement.reason().startswith(
-            "earns nothing: it gives the same answer whatever the input; ")
+        assert judgement.reason().startswith("earns nothing: "), judgement.reason()
         assert grade_here(get(DIVERGENCE), answer, 0).credit() == 0
-    assert_fails(DIVERGENCE, divergence(shift=1), first, hint="counting from 1",
+    assert_fails(DIVERGENCE, divergence(chunked=False), ZERO, hint="prefilled the prompt at once",
                  message="too large")
-    assert_fails(DIVERGENCE, divergence(shift="prompt"), first, hint="start of the prompt")
-    assert_fails(DIVERGENCE, divergence("count"), first, hint="every new token on which")
+    assert_fails(DIVERGENCE, divergence(chunked=False), A_WHILE,
+                 hint="prefilled the prompt at once", message="too small")
+    assert_fails(DIVERGENCE, divergence(shift=1), ONE_CHUNK, hint="counting from 1",
+                 message="too large")
+    assert_fails(DIVERGENCE, divergence(shift="prompt"), ONE_CHUNK, hint="start of the prompt")
+    assert_fails(DIVERGENCE, divergence("count"), ONE_CHUNK, hint="every new token on which")
+
+
+def test_first_divergence_prefilled_at_once_earns_nothing():
+    """The old exercise's answer, the prompt in one pass (the chapter's demonstration plus a
+    loop): right where a chunk holds the whole prompt, wrong in the central regime, several
+    chunks, drawn on every seed: 0 on each of 100 seeds. So is an answer that takes the first
+    new token to be always right (at least 1), which differs only where the answer is 0."""
+    at_once = divergence(chunked=False)
+    assert results(DIVERGENCE, at_once)[ONE_CHUNK].passed
+
+    def at_least_one(params, prompt, n_new, chunk):
+        return max(1, divergence()(params, prompt, n_new, chunk))
+    for seed in range(100):
+        for wrong in (at_once, at_least_one):
+            judgement = grade_here(get(DIVERGENCE), wrong, seed, watch_banned=False)
+            assert judgement.credit() == 0, (seed, judgement.reason())
 
 
 def test_first_divergence_needs_nothing_of_the_students_repair():
@@ -820,7 +895,7 @@ def test_first_divergence_needs_nothing_of_the_students_repair():
     other counts."""
     wrong = given_loop(REPAIRED.replace("    cos, sin", "    start += start > 0   # one too far\n"
                                                         "    cos, sin"))
-    cases = [c for seed in range(5) for c in hidden_cases(DIVERGENCE, seed)]
+    cases = [c for seed in range(3) for c in hidden_cases(DIVERGENCE, seed)]
     assert [divergence()(*c.args) for c in cases] == \
         [divergence(against=given_loop(REPAIRED))(*c.args) for c in cases]
     judgement = run_exercise(get(DIVERGENCE), divergence(against=wrong), cases)
@@ -835,7 +910,7 @@ def test_first_divergence_is_a_stable_measurement():
     count is compared exactly."""
     from course_attn.grading.ch08 import first_divergence_reference, smallest_gap
     student = divergence()
-    for seed in range(20):
+    for seed in range(10):
         for case in hidden_cases(DIVERGENCE, seed):
             assert smallest_gap(*case.args) > 1e-6
             answers = set()
@@ -846,9 +921,9 @@ def test_first_divergence_is_a_stable_measurement():
 
 
 def test_first_divergence_may_not_call_the_package():
-    def with_the_reference(params, prompt, n_new):
+    def with_the_reference(params, prompt, n_new, chunk):
         from course_attn.grading.ch08 import first_divergence_reference
-        return first_divergence_reference(params, prompt, n_new)
+        return first_divergence_reference(params, prompt, n_new, chunk)
     assert_banned(DIVERGENCE, with_the_reference, "course_attn")
 
 

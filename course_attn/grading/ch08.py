@@ -16,10 +16,11 @@
     ch08.greedy_decode    greedy_decode(params, prompt, n_new) -> (n_new, V) logits: repair a
                           given greedy loop with a cache whose decode steps rotate their token at
                           position 0 (debug: graded on the logits, on hidden models and prompts)
-    ch08.first_divergence first_divergence(params, prompt, n_new) -> int: how many new tokens the
-                          buggy loop and the model run without a cache agree on before the first
-                          that differs (measure: compared exactly, on hidden models and prompts;
-                          it needs nothing of the student's greedy_decode)
+    ch08.first_divergence first_divergence(params, prompt, n_new, chunk) -> int: how many new
+                          tokens the buggy loop, its prompt prefilled in chunks of ``chunk``
+                          tokens, and the model run without a cache agree on before the first
+                          that differs (measure: compared exactly, on hidden models, prompts and
+                          chunks; it needs nothing of the student's greedy_decode)
 
 References: ``course_attn.KVCache``; ``course_attn.apply_rotary_emb`` and
 ``course_attn.scaled_dot_product_attention``; the counts from M(Tq, Tk) = Tq·a + L·2·Tq·Tk·C,
@@ -437,10 +438,11 @@ def _angles(start, count, d, base=10000.0):
     return angles.cos(), angles.sin()
 
 
-def _greedy(params, prompt, n_new, q_start, k_start):
+def _greedy(params, prompt, n_new, q_start, k_start, chunk=None):
     """Greedy generation with a cache; the new tokens' queries are rotated from position
     ``q_start(L, T_new, P)``, their keys from ``k_start(L, T_new, P)`` (L: tokens cached before
-    the step, P: the prompt's length) -> the (n_new, V) logits that chose each new token."""
+    the step, P: the prompt's length); the prompt prefilled in chunks of ``chunk`` tokens (else
+    at once) -> the (n_new, V) logits that chose each new token."""
     heads, _, d = params["wq"].shape
     k_cache = torch.zeros(1, heads, 0, d, dtype=params["wk"].dtype)
     v_cache = torch.zeros(1, heads, 0, params["wv"].shape[-1], dtype=params["wv"].dtype)
@@ -458,7 +460,9 @@ def _greedy(params, prompt, n_new, q_start, k_start):
         out = scaled_dot_product_attention(q, k_cache, v_cache, is_causal=True)[0]
         return (x + torch.einsum("htd,hdc->tc", out, params["wo"])) @ params["unembed"]
 
-    logits = [step(prompt)[-1:]]
+    for start in range(0, p, chunk or p):
+        last = step(prompt[start:start + (chunk or p)])
+    logits = [last[-1:]]
     for _ in range(n_new - 1):
         logits.append(step(logits[-1].argmax(dim=-1))[-1:])
     return torch.cat(logits)
@@ -551,42 +555,46 @@ register(Exercise(
 
 # --- ch08.first_divergence (measure): where the buggy loop's text first differs ----------------
 #
-# The bug is silent: no error, and the first new token is right (the prefill is). The student
-# runs the given buggy loop and the model without a cache (the notebook's demonstration: each
-# step feeds the whole sequence to a fresh cache) on the same model and prompt and reports how
-# many new tokens they agree on before the first that differs (n_new if none differs). The
-# repaired cached loop (_at_length) computes the uncached logits up to float64 rounding, so it is
-# the reference, and the answer does not depend on the student's repair in ch08.greedy_decode
-# (tests/test_checks_ch08.py compares the two on public and hidden cases). Both runs
-# are deterministic, in float64, and the hidden draws reject any model whose largest two logits
-# come within 1e-6 of each other at a step of either run (float64 rounding is ~1e-15 there), so
-# no argmax can flip between the student's arithmetic and the reference's: the count is compared
-# exactly, with no tolerance.
+# The bug is silent: no error, and with the prompt prefilled at once the first new token is
+# right. A server prefills a long prompt in chunks (chunked prefill), each chunk a step of the
+# same loop: with the bug, every chunk is rotated as if it began the sequence, so the prompt's
+# own keys are wrong and the first new token may be wrong too. The student prefills the prompt
+# with the given buggy attend_step in chunks of ``chunk`` tokens, decodes greedily as the given
+# loop does, runs the model without a cache (the notebook's demonstration) on the same model
+# and prompt, and reports how many new tokens the two agree on before the first that differs
+# (0 if the first does; n_new if none differs). The repaired cached loop (_at_length) computes
+# the uncached logits up to float64 rounding whatever the chunks, so it is the reference's
+# other side. Both runs are deterministic, in float64, and the hidden draws reject any model
+# whose largest two logits come within 1e-6 of each other at a step of either run (float64
+# rounding is ~1e-15 there), so no argmax can flip between the student's arithmetic and the
+# reference's: the count is compared exactly, with no tolerance.
 
-def _tokens(params, prompt, n_new, start):
-    return _greedy(params, prompt, n_new, start, start).argmax(dim=-1)
+def _both(params, prompt, n_new, chunk=None):
+    """The (n_new, V) logits of the buggy loop, its prompt prefilled in chunks of ``chunk``,
+    and of the repaired one."""
+    return (_greedy(params, prompt, n_new, _at_zero, _at_zero, chunk),
+            _greedy(params, prompt, n_new, _at_length, _at_length))
 
 
-def _agreement(params, prompt, n_new):
-    """(leading agreements, all agreements) of the buggy and the repaired greedy tokens."""
-    same = _tokens(params, prompt, n_new, _at_zero) == _tokens(params, prompt, n_new, _at_length)
+def _agreement(params, prompt, n_new, chunk=None, logits=None):
+    """(leading agreements, all agreements) of the two loops' greedy tokens (``logits``: their
+    ``_both``, if computed already)."""
+    buggy, repaired = logits or _both(params, prompt, n_new, chunk)
+    same = buggy.argmax(dim=-1) == repaired.argmax(dim=-1)
     differ = (~same).nonzero()
     return (int(differ[0, 0]) if differ.numel() else n_new), int(same.sum())
 
 
-def first_divergence_reference(params, prompt, n_new):
-    """How many new tokens the buggy loop and the uncached model agree on before they first
-    differ."""
-    return _agreement(params, prompt, n_new)[0]
+def first_divergence_reference(params, prompt, n_new, chunk):
+    """How many new tokens the buggy loop, its prompt prefilled in chunks of ``chunk``, and the
+    uncached model agree on before they first differ."""
+    return _agreement(params, prompt, n_new, chunk)[0]
 
 
-def smallest_gap(params, prompt, n_new):
+def smallest_gap(params, prompt, n_new, chunk=None, logits=None):
     """The smallest gap between the largest two logits at any step of either loop."""
-    gaps = []
-    for start in (_at_zero, _at_length):
-        top = _greedy(params, prompt, n_new, start, start).topk(2, dim=-1).values
-        gaps.append((top[:, 0] - top[:, 1]).min())
-    return float(min(gaps))
+    top = torch.cat(logits or _both(params, prompt, n_new, chunk)).topk(2, dim=-1).values
+    return float((top[:, 0] - top[:, 1]).min())
 
 
 def expect_count(actual, expected, case=None) -> None:
@@ -599,15 +607,32 @@ def expect_count(actual, expected, case=None) -> None:
         raise AssertionError(f"your count is {'too large' if actual > expected else 'too small'}")
 
 
+def _chunk_label(params, prompt, n_new, chunk):
+    return f"{_label(params, prompt, n_new)}; prefill chunks of {chunk}"
+
+
 def _measure_cases():
-    for seed, p, n, hint in (
-            (830, 4, 10, "run both loops on the same model and prompt and compare the tokens "
-                         "they choose, new token by new token"),
-            (841, 2, 12, "count the new tokens before the first that differs"),
-            (837, 3, 10, "if the two loops never differ, every one of the n_new tokens agrees"),
-            (835, 6, 8, "count new tokens only, from the first one the prefill gives")):
-        args = _public_model(seed, p, n)
-        yield Case(_label(*args), args, hint=hint)
+    for seed, p, n, chunk, hint in MEASURE_CASES:
+        args = _public_model(seed, p, n) + (chunk,)
+        yield Case(_chunk_label(*args), args, hint=hint)
+
+
+# (seed, P, n_new, chunk, hint): found by a search over seeds for a model whose answer is 0
+# (the first new token already differs) and one whose chunked loop agrees for a while, both
+# with another answer if prefilled at once (2, neither 0 nor 1: a constant 1 is no such
+# mistake); one prefilled at once that differs at the first decode step and agrees again
+# later; and one that never differs within n_new
+MEASURE_CASES = (
+    (831, 7, 10, 3, "with the prompt in chunks, the bug reaches the prefill: compare from the "
+                    "first new token on"),
+    (846, 8, 10, 3, "count the new tokens before the first that differs"),
+    (830, 4, 10, 4, "a chunk as long as the prompt prefills it at once; count the new tokens "
+                    "before the first that differs"),
+    (836, 5, 10, 5, "if the two loops never differ, every one of the n_new tokens agrees"))
+
+
+def _ignoring_the_chunks(params, prompt, n_new, chunk):
+    return _agreement(params, prompt, n_new)[0]
 
 
 register(Exercise(
@@ -621,16 +646,18 @@ register(Exercise(
     # be told from a 1 typed in (issue 42); the judge says the answer is the same whatever the
     # input, and it earns nothing
     mistakes=(
+        Mistake("you prefilled the prompt at once: the loop to measure prefills it chunk by "
+                "chunk, each chunk a step of the buggy loop", _ignoring_the_chunks),
         Mistake("you gave the index counting from 1: count the new tokens that agree, before "
                 "the first that differs",
-                lambda params, prompt, n_new:
-                first_divergence_reference(params, prompt, n_new) + 1),
+                lambda params, prompt, n_new, chunk:
+                first_divergence_reference(params, prompt, n_new, chunk) + 1),
         Mistake("you counted from the start of the prompt: count the new tokens only",
-                lambda params, prompt, n_new: first_divergence_reference(params, prompt, n_new)
-                + prompt.shape[0]),
+                lambda params, prompt, n_new, chunk:
+                first_divergence_reference(params, prompt, n_new, chunk) + prompt.shape[0]),
         Mistake("you counted every new token on which the two loops agree: count only those "
-                "before the first that differs", lambda params, prompt, n_new:
-                _agreement(params, prompt, n_new)[1]),
+                "before the first that differs", lambda params, prompt, n_new, chunk:
+                _agreement(params, prompt, n_new, chunk)[1]),
     ),
 ))
 

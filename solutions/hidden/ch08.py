@@ -4,7 +4,7 @@ Private to instructors: never published with the course (see book/instructors.md
 import torch
 
 from course_attn.grading.cases import randint
-from course_attn.grading.ch08 import (SAVINGS, _agreement, _chunks, _label, _mla_case,
+from course_attn.grading.ch08 import (SAVINGS, _agreement, _both, _chunks, _label, _mla_case,
                                       _step_case, first_divergence_reference, smallest_gap,
                                       toy_model)
 from course_attn.grading.exercise import Case, hidden
@@ -185,24 +185,44 @@ def _first(case):
     return first_divergence_reference(*case.args)
 
 
+def _chunks_of(case):
+    return case.args[3]
+
+
 @hidden("ch08.first_divergence", regimes={
-    "the first decode step already differs (answer 1)": lambda case: _first(case) == 1,
+    "the prompt in several chunks (chunk < P)":
+        lambda case: _chunks_of(case) < case.args[1].shape[0],
+    "the prompt in one chunk (chunk >= P)":
+        lambda case: _chunks_of(case) >= case.args[1].shape[0],
+    "the first new token already differs (answer 0)": lambda case: _first(case) == 0,
+    "the first decode step differs (answer 1)": lambda case: _first(case) == 1,
     "agree for a while, then differ (1 < answer < n_new)":
         lambda case: 1 < _first(case) < case.args[2],
     "never differ in n_new tokens (answer n_new)": lambda case: _first(case) == case.args[2],
-})
+}, central=("the prompt in several chunks (chunk < P)",))
 def _(gen):
-    # what each draw must show: the first step differs and the tokens agree again later (so
-    # counting every agreement is wrong); agree, then differ; agree all the way
-    wanted = (lambda first, every, n: first == 1 and every > 1,
-              lambda first, every, n: 1 < first < n,
-              lambda first, every, n: first == n)
-    for inside in wanted:
+    # what each draw must show, with several chunks (chunk < P) or one, and the most new tokens
+    # it draws: the first new token differs and a later one agrees (so counting every
+    # agreement is wrong); agree, then differ; the first decode step differs and a later one
+    # agrees; agree all the way (short, or the draws would seldom get there)
+    wanted = ((True, 12, lambda first, every, n: first == 0 and every > 0),
+              (True, 12, lambda first, every, n: 1 < first < n),
+              (False, 12, lambda first, every, n: first == 1 and every > 1),
+              (False, 6, lambda first, every, n: first == n))
+    for several, most, inside in wanted:
         while True:
-            args = _toy(gen, randint(1, 8, gen), randint(4, 12, gen), randint(1, 3, gen))
-            if inside(*_agreement(*args), args[2]):
+            prompt_len = randint(3 if several else 1, 8, gen)
+            params = toy_model(gen, vocab=randint(10, 32, gen), width=randint(8, 24, gen),
+                               heads=randint(1, 3, gen), head_dim=2 * randint(2, 4, gen))
+            prompt = torch.randint(params["embed"].shape[0], (prompt_len,), generator=gen)
+            chunk = randint(1, prompt_len - 1, gen) if several else \
+                randint(prompt_len, prompt_len + 3, gen)
+            args = (params, prompt, randint(4, most, gen), chunk)
+            logits = _both(*args)
+            if smallest_gap(*args, logits=logits) > 1e-6 and \
+                    inside(*_agreement(*args, logits=logits), args[2]):
                 break
-        yield Case(_decode_label(args), args)
+        yield Case(f"{_decode_label(args[:3])}; prefill chunks of {chunk}", args)
 
 
 # ch08.mla_decode_step: as decode_step's, with the MLA sizes drawn apart (D, Dr even, Dc, not
