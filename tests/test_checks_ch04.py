@@ -496,6 +496,33 @@ def test_leak_pattern_mistakes():
                  message="dtype")
 
 
+def test_leak_pattern_with_weights_scaled_up_loses_points_on_every_seed():
+    """Weights multiplied by sqrt(C) instead of divided (a mutant of the reference, issue 42):
+    on a wide layer the softmax saturates, a token's weight falls below one bit of the output,
+    and some moves are not seen. The wide-layer regime is drawn on every grading."""
+    from course_attn.grading.check import grade_here
+
+    def scaled_up(T, H, D, seed):
+        g = torch.Generator().manual_seed(seed)
+        C = H * D
+        x = torch.randn(1, T, C, generator=g, dtype=torch.float64)
+        w_qkv = torch.randn(3 * C, C, generator=g, dtype=torch.float64) * math.sqrt(C)
+        w_o = torch.randn(C, C, generator=g, dtype=torch.float64) * math.sqrt(C)
+        before = leaky_self_attention(x, w_qkv, w_o, H)
+        moved = torch.zeros(T, T, dtype=torch.bool)
+        for s in range(T):
+            changed = x.clone()
+            changed[0, s] = torch.randn(C, generator=g, dtype=torch.float64)
+            moved[:, s] = (leaky_self_attention(changed, w_qkv, w_o, H) != before)[0].any(-1)
+        return moved
+    exercise = get("ch04.leak_pattern")
+    for seed in range(20):
+        judgement = grade_here(exercise, scaled_up, seed, watch_banned=False)
+        assert judgement.credit() < 1, seed
+        assert not all(r.passed for r in judgement.results if "a wide layer" in
+                       " ".join(r.regimes)), seed
+
+
 def test_leak_pattern_may_not_call_the_package():
     from course_attn.grading.ch04 import leak_pattern_reference
     assert_banned("ch04.leak_pattern", leak_pattern_reference, "course_attn")
