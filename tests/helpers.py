@@ -281,3 +281,19 @@ def probe_interactive_figure(page, figure_id: str) -> list[str]:
             problems.append(f"{figure_id}: after sliding to {last:g}, hovering {who!r} shows "
                             f"{text!r}, not {at[last, who]}")
     return problems
+
+
+# ---------------------------------------------------------------- the grader's measurements
+
+@contextlib.contextmanager
+def each_allocation_trace_once() -> Iterator[None]:
+    """While open, chapter 9's measurement of an attention's allocations
+    (``ch09._allocations(fn, t, dim)``, one run under torch's profiler) is taken once per
+    (attention, length, width) and then read back. It is the same on every run (the
+    allocator's requests depend on the shapes alone; test_checks_ch09 proves it), and judging
+    one hidden case of ch09.memory_exponent takes it 27 times for 3 distinct ones: the
+    reference, the tolerance's two fits and the six typical mistakes, three lengths each."""
+    from course_attn.grading import ch09
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ch09, "_allocations", functools.cache(ch09._allocations))
+        yield

@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from helpers import each_allocation_trace_once
 
 from course_attn.grading import all_exercises
 from course_attn.grading.exercise import hidden_cases, hidden_regimes, load_hidden
@@ -55,6 +56,12 @@ def changed(value, part: str = ""):
 def test_every_exercise_names_the_regimes_its_hidden_cases_cover(key):
     regimes = hidden_regimes(key)
     assert len(regimes) >= 2, f"{key}: its hidden cases name {len(regimes)} regime(s)"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _allocations_traced_once():
+    with each_allocation_trace_once():
+        yield
 
 
 @pytest.mark.parametrize("key", KEYS)
