@@ -338,16 +338,7 @@ def test_no_serious_or_critical_accessibility_violation(read, page):
         assert not violations, f"{page} ({scheme} mode), axe-core: " + "; ".join(violations)
 
 
-# The exercise notebooks are generated from solutions/, whose code is formatted to 80 columns
-# chapter by chapter (issue 45); these two chapters' solutions were being changed when the others
-# were formatted. Strict: a page that comes to fit fails here until it leaves the set.
-NOT_FITTED_YET = {"exercises/04_multi_head.html", "exercises/09_flash_attention.html"}
-
-
-@pytest.mark.parametrize("page", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="solutions/ not yet formatted to "
-                                            "the column")) if p in NOT_FITTED_YET else p
-    for p in PAGES])
+@pytest.mark.parametrize("page", PAGES)
 def test_code_and_output_fit_their_box_at_1440_px(read, page):
     """No code block and no printed output needs a horizontal scroll bar in a 1440 px window: the
     code is formatted to the column, the output wraps in it (_ext/fitted_outputs.py)."""
