@@ -182,6 +182,25 @@ def test_each_gather_mistake_fails_the_hidden_cases_of_every_seed(wrong):
     assert_fails_on_every_seed(GATHER, mistaken)
 
 
+def test_a_gather_without_the_permute_earns_nothing():
+    """The blocks reshaped to (Hkv, M · bs, D) without first putting the heads before the
+    blocks: right only where that layout is trivial (one head, or one block), which is none of
+    the point of the exercise (issue 42: it earned 0.86/3)."""
+    from course_attn.grading.check import grade_here
+
+    def no_permute(pool_k, pool_v, block_table, length):
+        out = []
+        for pool in (pool_k, pool_v):
+            blocks = pool[block_table]                              # (M, Hkv, bs, D)
+            m, h, bs, d = blocks.shape
+            out.append(blocks.reshape(h, m * bs, d)[:, :length])
+        return tuple(out)
+    for seed in range(10):
+        judgement = grade_here(get(GATHER), no_permute, seed, watch_banned=False)
+        assert any(r.passed for r in judgement.results if r.hidden), seed  # right somewhere
+        assert judgement.credit() == 0, (seed, judgement.reason())
+
+
 def test_gather_kv_may_not_call_the_package():
     from course_attn.paged import gather_blocks
 
