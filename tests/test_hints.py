@@ -83,8 +83,11 @@ def one_entry_off(value, part=""):
     if isinstance(value, dict) and value:
         key = part or next(iter(value))
         return {**value, key: one_entry_off(value[key])}
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return type(value)(value * 1.37 + 3)       # off by a factor no mistake makes
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int(value * 1.37 + 1000)  # past any count a mistake reaches (x * 1.37 + 3 turned
+        # first_divergence's 0 into 3, the count of every agreeing token: a declared mistake's answer)
+    if isinstance(value, float) and math.isfinite(value):
+        return value * 1.37 + 3       # off by a factor no mistake makes
     return changed(value, part)
 
 
